@@ -112,12 +112,26 @@ def check_args(args: Args):
         fail("--policy-lr and --q-lr must be positive and --alpha non-negative")
     if args.measure_burnin < 0 or args.log_every <= 0:
         fail("--measure-burnin must be >= 0 and --log-every positive")
+    if args.capture_video:
+        try:
+            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
+        except ImportError:
+            fail("--capture-video needs moviepy: pip install moviepy")
     try:
         gym.spec(args.env_id)
     except gym.error.Error:
         close = difflib.get_close_matches(args.env_id, list(gym.registry), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "pick one from gymnasium.registry"
         fail(f"unknown env id {args.env_id!r}: {hint}")
+    env = gym.make(args.env_id)
+    act_space, obs_space = env.action_space, env.observation_space
+    env.close()
+    if not isinstance(act_space, gym.spaces.Box):
+        fail(f"SAC needs a continuous (Box) action space, but {args.env_id} has {act_space}: use a discrete-action script such as DQN or PPO")
+    if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
+        fail(f"SAC squashes actions into the action bounds, but {args.env_id} has infinite bounds: wrap it in gymnasium.wrappers.RescaleAction")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        fail(f"SAC's MLPs need a flat Box observation space, but {args.env_id} has {obs_space}: wrap it in gymnasium.wrappers.FlattenObservation")
 
 
 def make_env(env_id, seed, idx, capture_video, run_name):
@@ -133,14 +147,16 @@ def make_env(env_id, seed, idx, capture_video, run_name):
     return thunk
 
 
-def check_spaces(envs, env_id):
-    act_space, obs_space = envs.single_action_space, envs.single_observation_space
-    if not isinstance(act_space, gym.spaces.Box):
-        fail(f"SAC needs a continuous (Box) action space, but {env_id} has {act_space}: use a discrete-action script such as DQN or PPO")
-    if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
-        fail(f"SAC squashes actions into the action bounds, but {env_id} has infinite bounds: wrap it in gymnasium.wrappers.RescaleAction")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        fail(f"SAC's MLPs need a flat Box observation space, but {env_id} has {obs_space}: wrap it in gymnasium.wrappers.FlattenObservation")
+def transition_rows(obs, actions, rewards, next_obs, terminations, infos):
+    """The replay rows (num_envs, obs + act + 1 + obs + 1), float32, of one vector step. Same-step
+    autoreset returns the reset observation as next_obs of an env whose episode just ended and puts
+    the true last one in infos["final_obs"]: that is the one to store, so no transition crosses a
+    reset. Only terminations are stored as dones: a time-limit truncation still bootstraps."""
+    real_next_obs = next_obs.copy()
+    if "final_obs" in infos:
+        for i in np.flatnonzero(infos["_final_obs"]):
+            real_next_obs[i] = infos["final_obs"][i]
+    return np.concatenate([obs, actions, rewards[:, None], real_next_obs, terminations[:, None]], axis=1, dtype=np.float32)
 
 
 class SoftQNetwork(nn.Module):
@@ -268,17 +284,11 @@ def main(args: Args) -> dict:
 
     # ENVIRONMENTS: same-step autoreset puts the true last observation of a finished episode in
     # infos["final_obs"] and returns the reset observation as next_obs, so no transition crosses a reset
-    if args.capture_video:
-        try:
-            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
-        except ImportError:
-            fail("--capture-video needs moviepy: pip install moviepy")
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, args.seed + i, i, args.capture_video, run_name) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
-    check_spaces(envs, args.env_id)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
 
@@ -333,13 +343,9 @@ def main(args: Args) -> dict:
                 returns.append(float(r))
                 episodes += 1
 
-        # STORE TRANSITION with the true next observation of episodes that just ended
-        real_next_obs = next_obs.copy()
-        if "final_obs" in infos:
-            for i in np.flatnonzero(infos["_final_obs"]):
-                real_next_obs[i] = infos["final_obs"][i]
-        row = np.concatenate([obs, actions, rewards[:, None], real_next_obs, terminations[:, None]], axis=1, dtype=np.float32)
-        rb[rb_pos : rb_pos + args.num_envs].copy_(torch.from_numpy(row))
+        # STORE TRANSITION
+        rows = transition_rows(obs, actions, rewards, next_obs, terminations, infos)
+        rb[rb_pos : rb_pos + args.num_envs].copy_(torch.from_numpy(rows))
         rb_pos = (rb_pos + args.num_envs) % args.buffer_size
         rb_size = min(rb_size + args.num_envs, args.buffer_size)
         obs = next_obs
@@ -387,6 +393,7 @@ def main(args: Args) -> dict:
         "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
         "episodic_return": float(np.mean(returns)) if returns else None,
         "episodes": episodes,
+        "losses": {k: v.item() for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss), ("alpha", alpha)) if v is not None},
         "run_name": run_name,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)

@@ -17,7 +17,6 @@ import os
 import random
 import sys
 import time
-import warnings
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -120,12 +119,26 @@ def check_args(args: Args):
         fail("--policy-lr and --q-lr must be positive and --alpha non-negative")
     if args.measure_burnin < 0 or args.log_every <= 0:
         fail("--measure-burnin must be >= 0 and --log-every positive")
+    if args.capture_video:
+        try:
+            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
+        except ImportError:
+            fail("--capture-video needs moviepy: pip install moviepy")
     try:
         gym.spec(args.env_id)
     except gym.error.Error:
         close = difflib.get_close_matches(args.env_id, list(gym.registry), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "pick one from gymnasium.registry"
         fail(f"unknown env id {args.env_id!r}: {hint}")
+    env = gym.make(args.env_id)
+    act_space, obs_space = env.action_space, env.observation_space
+    env.close()
+    if not isinstance(act_space, gym.spaces.Box):
+        fail(f"SAC needs a continuous (Box) action space, but {args.env_id} has {act_space}: use a discrete-action script such as DQN or PPO")
+    if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
+        fail(f"SAC squashes actions into the action bounds, but {args.env_id} has infinite bounds: wrap it in gymnasium.wrappers.RescaleAction")
+    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
+        fail(f"SAC's MLPs need a flat Box observation space, but {args.env_id} has {obs_space}: wrap it in gymnasium.wrappers.FlattenObservation")
 
 
 def make_env(env_id, seed, idx, capture_video, run_name):
@@ -141,14 +154,16 @@ def make_env(env_id, seed, idx, capture_video, run_name):
     return thunk
 
 
-def check_spaces(envs, env_id):
-    act_space, obs_space = envs.single_action_space, envs.single_observation_space
-    if not isinstance(act_space, gym.spaces.Box):
-        fail(f"SAC needs a continuous (Box) action space, but {env_id} has {act_space}: use a discrete-action script such as DQN or PPO")
-    if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
-        fail(f"SAC squashes actions into the action bounds, but {env_id} has infinite bounds: wrap it in gymnasium.wrappers.RescaleAction")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        fail(f"SAC's MLPs need a flat Box observation space, but {env_id} has {obs_space}: wrap it in gymnasium.wrappers.FlattenObservation")
+def transition_rows(obs, actions, rewards, next_obs, terminations, infos):
+    """The replay rows (num_envs, obs + act + 1 + obs + 1), float32, of one vector step. Same-step
+    autoreset returns the reset observation as next_obs of an env whose episode just ended and puts
+    the true last one in infos["final_obs"]: that is the one to store, so no transition crosses a
+    reset. Only terminations are stored as dones: a time-limit truncation still bootstraps."""
+    real_next_obs = next_obs.copy()
+    if "final_obs" in infos:
+        for i in np.flatnonzero(infos["_final_obs"]):
+            real_next_obs[i] = infos["final_obs"][i]
+    return np.concatenate([obs, actions, rewards[:, None], real_next_obs, terminations[:, None]], axis=1, dtype=np.float32)
 
 
 class SoftQNetwork(nn.Module):
@@ -220,6 +235,9 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
     # weightless shell with them. (tensordict's `with params.to_module(qnet)` does the same, but two
     # such calls in one compiled function crash dynamo in torch 2.13)
     q_weights = dict(qnet_params.flatten_keys(".").items())
+    # the same storage without autograd: the actor's loss must not reach the critics' weights. A compiled
+    # backward computes every gradient its graph allows, so backward(inputs=...) alone would not spare them
+    q_weights_detached = dict(qnet_params.data.flatten_keys(".").items())
     q_target_weights = dict(qnet_target.flatten_keys(".").items())
 
     def batched_qf(weights, obs, action):
@@ -244,7 +262,7 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
     def update_actor(obs):
         alpha = log_alpha.detach().exp()
         pi, log_pi, _ = actor.get_action(obs)
-        min_qf_pi = qf(q_weights, obs, pi).min(0).values
+        min_qf_pi = qf(q_weights_detached, obs, pi).min(0).values
         actor_loss = (alpha * log_pi - min_qf_pi).mean()
         actor_optimizer.zero_grad()
         # gradients for the actor only: the critics' weight gradients would be computed, then discarded
@@ -279,7 +297,7 @@ def main(args: Args) -> dict:
         print("note: CUDA is not available, running on the CPU", file=sys.stderr)
     device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
     if args.cudagraphs and device.type != "cuda":
-        warnings.warn("--cudagraphs needs CUDA: running without CUDA graphs")
+        print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
         args.cudagraphs = False
 
     wandb = None
@@ -290,17 +308,11 @@ def main(args: Args) -> dict:
 
     # ENVIRONMENTS: same-step autoreset puts the true last observation of a finished episode in
     # infos["final_obs"] and returns the reset observation as next_obs, so no transition crosses a reset
-    if args.capture_video:
-        try:
-            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
-        except ImportError:
-            fail("--capture-video needs moviepy: pip install moviepy")
     envs = gym.vector.SyncVectorEnv(
         [make_env(args.env_id, args.seed + i, i, args.capture_video, run_name) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
-    check_spaces(envs, args.env_id)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
 
@@ -372,13 +384,9 @@ def main(args: Args) -> dict:
                 returns.append(float(r))
                 episodes += 1
 
-        # STORE TRANSITION with the true next observation of episodes that just ended
-        real_next_obs = next_obs.copy()
-        if "final_obs" in infos:
-            for i in np.flatnonzero(infos["_final_obs"]):
-                real_next_obs[i] = infos["final_obs"][i]
-        row = np.concatenate([obs, actions, rewards[:, None], real_next_obs, terminations[:, None]], axis=1, dtype=np.float32)
-        rb[rb_pos : rb_pos + args.num_envs].copy_(torch.from_numpy(row))
+        # STORE TRANSITION
+        rows = transition_rows(obs, actions, rewards, next_obs, terminations, infos)
+        rb[rb_pos : rb_pos + args.num_envs].copy_(torch.from_numpy(rows))
         rb_pos = (rb_pos + args.num_envs) % args.buffer_size
         rb_size = min(rb_size + args.num_envs, args.buffer_size)
         obs = next_obs
@@ -426,6 +434,7 @@ def main(args: Args) -> dict:
         "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
         "episodic_return": float(np.mean(returns)) if returns else None,
         "episodes": episodes,
+        "losses": {k: v.item() for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss), ("alpha", alpha)) if v is not None},
         "run_name": run_name,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)

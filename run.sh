@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Reproduces the speed table: every script in its variants, over seeds, with each run's summary.json
+# under one results folder (results/<date>/runs/<run_name>/summary.json).
+#
+#   ./run.sh                                   # the full table: 1M steps, seeds 1 2 3 (hours)
+#   STEPS=20000 SEEDS=1 ./run.sh               # a short version for a CPU
+#   SCRIPTS="sac_continuous_action" ./run.sh   # some scripts only (names without .py)
+#   DRY_RUN=1 ./run.sh                         # print the commands, run nothing
+#
+# Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, RESULTS (the folder), DRY_RUN.
+# Steady-state sps and compile seconds are in each summary: compile time is never in the sps.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+STEPS=${STEPS:-1000000}
+SEEDS=${SEEDS:-1 2 3}
+SCRIPTS=${SCRIPTS:-sac_continuous_action}
+RESULTS=${RESULTS:-$here/results/$(date +%Y%m%d-%H%M%S)}
+
+# script -> the variants to run ("" = the script with no flag); the twins' flags are --compile and
+# --cudagraphs (on a machine without CUDA, --cudagraphs warns and runs without graphs)
+variants() {
+  case $1 in
+    sac_continuous_action) echo "sac_continuous_action|" ;;
+    *) echo "unknown script $1" >&2; return 1 ;;
+  esac
+  # every eager script has a _torchcompile twin, run in four variants
+  for flags in "" "--compile" "--cudagraphs" "--compile --cudagraphs"; do
+    echo "${1}_torchcompile|$flags"
+  done
+}
+
+# per-script settings beyond the defaults: SAC and TD3 learn from 5000 / 25000 random steps first
+extra() {
+  case $1 in
+    sac_continuous_action*) echo "--env-id HalfCheetah-v5" ;;
+  esac
+}
+
+mkdir -p "$RESULTS"
+cd "$RESULTS"
+for script in $SCRIPTS; do
+  variants "$script" | while IFS='|' read -r file flags; do
+    for seed in $SEEDS; do
+      cmd="python $here/leanrl/$file.py $(extra "$file") --seed $seed --total-timesteps $STEPS $flags"
+      echo "$cmd"
+      if [ -z "${DRY_RUN:-}" ]; then
+        $cmd | tail -n 1  # the summary line; the progress bar is on stderr
+      fi
+    done
+  done
+done
+[ -n "${DRY_RUN:-}" ] || echo "summaries under $RESULTS/runs"

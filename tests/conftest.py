@@ -1,0 +1,46 @@
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LEANRL = ROOT / "leanrl"
+
+
+def load_script(name):
+    """Imports leanrl/<name>.py as a module: importing a script runs nothing but definitions."""
+    spec = importlib.util.spec_from_file_location(name, LEANRL / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name, *flags, cwd, env=None, timeout=900):
+    """Runs leanrl/<name>.py in a subprocess from `cwd`; returns the finished process."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(LEANRL / f"{name}.py"), *map(str, flags)],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def summary_of(proc, cwd):
+    """Checks the run's summary contract and returns the summary: the last stdout line is JSON, and
+    runs/<run_name>/summary.json holds the same object."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines, "no stdout: " + proc.stderr[-2000:]
+    summary = json.loads(lines[-1])
+    with open(Path(cwd) / "runs" / summary["run_name"] / "summary.json") as f:
+        assert json.load(f) == summary
+    return summary
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    return tmp_path
