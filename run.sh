@@ -13,14 +13,14 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 STEPS=${STEPS:-1000000}
 SEEDS=${SEEDS:-1 2 3}
-SCRIPTS=${SCRIPTS:-sac_continuous_action}
+SCRIPTS=${SCRIPTS:-sac_continuous_action td3_continuous_action}
 RESULTS=${RESULTS:-$here/results/$(date +%Y%m%d-%H%M%S)}
 
 # script -> the variants to run ("" = the script with no flag); the twins' flags are --compile and
 # --cudagraphs (on a machine without CUDA, --cudagraphs warns and runs without graphs)
 variants() {
   case $1 in
-    sac_continuous_action) echo "sac_continuous_action|" ;;
+    sac_continuous_action | td3_continuous_action) echo "$1|" ;;
     *) echo "unknown script $1" >&2; return 1 ;;
   esac
   # every eager script has a _torchcompile twin, run in four variants
@@ -32,7 +32,7 @@ variants() {
 # per-script settings beyond the defaults: SAC and TD3 learn from 5000 / 25000 random steps first
 extra() {
   case $1 in
-    sac_continuous_action*) echo "--env-id HalfCheetah-v5" ;;
+    sac_continuous_action* | td3_continuous_action*) echo "--env-id HalfCheetah-v5" ;;
   esac
 }
 

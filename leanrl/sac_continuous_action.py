@@ -97,7 +97,7 @@ def check_args(args: Args):
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.learning_starts < 0:
         fail(f"--learning-starts must be >= 0, got {args.learning_starts}")
-    if args.total_timesteps <= args.learning_starts:
+    if args.total_timesteps // args.num_envs <= args.learning_starts // args.num_envs:
         fail(
             f"--total-timesteps ({args.total_timesteps}) must be larger than --learning-starts "
             f"({args.learning_starts}), or no update ever runs: raise the budget or lower --learning-starts"
