@@ -17,7 +17,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import gymnasium as gym

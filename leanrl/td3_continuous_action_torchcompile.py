@@ -20,7 +20,7 @@ import random
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 

@@ -24,6 +24,7 @@ SHORT = ["--env-id", "Pendulum-v1", "--learning-starts", "100", "--total-timeste
     [
         (SAC, []),
         (SAC, ["--no-autotune"]),
+        (SAC, ["--num-envs", "2"]),
         (SAC + "_torchcompile", []),
         (SAC + "_torchcompile", ["--compile"]),
         (SAC + "_torchcompile", ["--compile", "--cudagraphs"]),
