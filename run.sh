@@ -3,11 +3,12 @@
 # under one results folder (results/<date>/runs/<run_name>/summary.json).
 #
 #   ./run.sh                                   # the full table: 1M steps, seeds 1 2 3 (hours)
-#   STEPS=20000 SEEDS=1 ./run.sh               # a short version for a CPU
+#   STEPS=30000 SEEDS=1 ./run.sh               # a short version for a CPU (TD3 needs > 25000)
 #   SCRIPTS="sac_continuous_action" ./run.sh   # some scripts only (names without .py)
 #   DRY_RUN=1 ./run.sh                         # print the commands, run nothing
+#   EXTRA="--env-id Pendulum-v1" ./run.sh      # flags appended to every command
 #
-# Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, RESULTS (the folder), DRY_RUN.
+# Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN.
 # Steady-state sps and compile seconds are in each summary: compile time is never in the sps.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -41,7 +42,7 @@ cd "$RESULTS"
 for script in $SCRIPTS; do
   variants "$script" | while IFS='|' read -r file flags; do
     for seed in $SEEDS; do
-      cmd="python $here/leanrl/$file.py $(extra "$file") --seed $seed --total-timesteps $STEPS $flags"
+      cmd="python $here/leanrl/$file.py $(extra "$file") --seed $seed --total-timesteps $STEPS $flags ${EXTRA:-}"
       echo "$cmd"
       if [ -z "${DRY_RUN:-}" ]; then
         $cmd | tail -n 1  # the summary line; the progress bar is on stderr
