@@ -45,7 +45,8 @@ for script in $SCRIPTS; do
       cmd="python $here/leanrl/$file.py $(extra "$file") --seed $seed --total-timesteps $STEPS $flags ${EXTRA:-}"
       echo "$cmd"
       if [ -z "${DRY_RUN:-}" ]; then
-        $cmd | tail -n 1  # the summary line; the progress bar is on stderr
+        # the summary line (the progress bar is on stderr); a failed run is reported, the table goes on
+        $cmd | tail -n 1 || echo "FAILED: $cmd" >&2
       fi
     done
   done

@@ -102,6 +102,8 @@ def check_args(args: Args):
     for name in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "policy_frequency", "target_network_frequency"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**32:  # numpy's seed range
+        fail(f"--seed must lie in [0, 2**32), got {args.seed}")
     if args.learning_starts < 0:
         fail(f"--learning-starts must be >= 0, got {args.learning_starts}")
     if args.total_timesteps // args.num_envs <= args.learning_starts // args.num_envs:
@@ -113,10 +115,13 @@ def check_args(args: Args):
         fail(f"--batch-size ({args.batch_size}) is larger than --buffer-size ({args.buffer_size}): lower it or grow the buffer")
     if args.buffer_size % args.num_envs:
         fail(f"--buffer-size ({args.buffer_size}) must be a multiple of --num-envs ({args.num_envs})")
-    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.tau <= 1.0):
+    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.tau <= 1.0):  # also false for nan
         fail(f"--gamma ({args.gamma}) and --tau ({args.tau}) must lie in [0, 1]")
-    if min(args.policy_lr, args.q_lr) <= 0 or (not args.autotune and args.alpha < 0):
-        fail("--policy-lr and --q-lr must be positive and --alpha non-negative")
+    for name in ("policy_lr", "q_lr"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            fail(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if not (math.isfinite(args.alpha) and args.alpha >= 0):
+        fail(f"--alpha must be a non-negative number, got {args.alpha}")
     if args.measure_burnin < 0 or args.log_every <= 0:
         fail("--measure-burnin must be >= 0 and --log-every positive")
     if args.capture_video:
@@ -130,7 +135,10 @@ def check_args(args: Args):
         close = difflib.get_close_matches(args.env_id, list(gym.registry), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "pick one from gymnasium.registry"
         fail(f"unknown env id {args.env_id!r}: {hint}")
-    env = gym.make(args.env_id)
+    try:
+        env = gym.make(args.env_id)
+    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
+        fail(f"cannot make {args.env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     act_space, obs_space = env.action_space, env.observation_space
     env.close()
     if not isinstance(act_space, gym.spaces.Box):
@@ -228,10 +236,6 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
     # runs outside torch.compile (dynamo does not trace it), so a CUDA graph that replays the update
     # needs it capturable (step counts on the device) with or without --compile
     capturable = args.cudagraphs
-    q_optimizer = torch.optim.Adam(qnet_params.values(include_nested=True, leaves_only=True), lr=args.q_lr, fused=True, capturable=capturable)
-    actor_optimizer = torch.optim.Adam(list(actor.parameters()), lr=args.policy_lr, fused=True, capturable=capturable)
-    a_optimizer = torch.optim.Adam([log_alpha], lr=args.q_lr, fused=True, capturable=capturable) if args.autotune else None
-
     # the stacked tensors themselves, keyed "fc1.weight", ...: torch.func.functional_call runs the
     # weightless shell with them. (tensordict's `with params.to_module(qnet)` does the same, but two
     # such calls in one compiled function crash dynamo in torch 2.13)
@@ -240,6 +244,12 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
     # backward computes every gradient its graph allows, so backward(inputs=...) alone would not spare them
     q_weights_detached = dict(qnet_params.data.flatten_keys(".").items())
     q_target_weights = dict(qnet_target.flatten_keys(".").items())
+    actor_params = list(actor.parameters())
+    q_params = list(q_weights.values())
+    q_target_params = list(q_target_weights.values())
+    q_optimizer = torch.optim.Adam(q_params, lr=args.q_lr, fused=True, capturable=capturable)
+    actor_optimizer = torch.optim.Adam(actor_params, lr=args.policy_lr, fused=True, capturable=capturable)
+    a_optimizer = torch.optim.Adam([log_alpha], lr=args.q_lr, fused=True, capturable=capturable) if args.autotune else None
 
     def batched_qf(weights, obs, action):
         return torch.func.functional_call(qnet, weights, (obs, action))
@@ -267,7 +277,7 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
         actor_loss = (alpha * log_pi - min_qf_pi).mean()
         actor_optimizer.zero_grad()
         # gradients for the actor only: the critics' weight gradients would be computed, then discarded
-        actor_loss.backward(inputs=list(actor.parameters()))
+        actor_loss.backward(inputs=actor_params)
         actor_optimizer.step()
         if a_optimizer is None:
             return actor_loss.detach(), alpha
@@ -276,11 +286,11 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
         a_optimizer.zero_grad()
         alpha_loss.backward()
         a_optimizer.step()
-        return actor_loss.detach(), alpha
+        return actor_loss.detach(), log_alpha.detach().exp()
 
     @torch.no_grad()
     def update_targets():
-        qnet_target.lerp_(qnet_params.data, args.tau)  # Polyak: t += tau * (p - t), one foreach call
+        torch._foreach_lerp_(q_target_params, q_params, args.tau)  # Polyak: t += tau * (p - t)
 
     return (q_optimizer, actor_optimizer, a_optimizer), (update_critic, update_actor, update_targets)
 
@@ -350,7 +360,10 @@ def main(args: Args) -> dict:
     # REPLAY BUFFER: one float32 table on the device, a row (obs, action, reward, next_obs, termination)
     # per transition, so storing costs one host-to-device copy and sampling one gather
     fields = [n_obs, n_act, 1, n_obs, 1]
-    rb = torch.zeros((args.buffer_size, sum(fields)), dtype=torch.float32, device=device)
+    try:
+        rb = torch.zeros((args.buffer_size, sum(fields)), dtype=torch.float32, device=device)
+    except (RuntimeError, MemoryError):  # out of memory: a plain message, not an allocator traceback
+        fail(f"no room for a replay buffer of {args.buffer_size * sum(fields) * 4 / 2**30:.1f} GiB on {device}: lower --buffer-size")
     rb_pos, rb_size = 0, 0
 
     # TRAINING LOOP

@@ -94,6 +94,8 @@ def check_args(args: Args):
     for name in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "policy_frequency"):
         if getattr(args, name) <= 0:
             fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**32:  # numpy's seed range
+        fail(f"--seed must lie in [0, 2**32), got {args.seed}")
     if args.learning_starts < 0:
         fail(f"--learning-starts must be >= 0, got {args.learning_starts}")
     if args.total_timesteps // args.num_envs <= args.learning_starts // args.num_envs:
@@ -105,10 +107,13 @@ def check_args(args: Args):
         fail(f"--batch-size ({args.batch_size}) is larger than --buffer-size ({args.buffer_size}): lower it or grow the buffer")
     if args.buffer_size % args.num_envs:
         fail(f"--buffer-size ({args.buffer_size}) must be a multiple of --num-envs ({args.num_envs})")
-    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.tau <= 1.0):
+    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.tau <= 1.0):  # also false for nan
         fail(f"--gamma ({args.gamma}) and --tau ({args.tau}) must lie in [0, 1]")
-    if args.learning_rate <= 0 or min(args.policy_noise, args.exploration_noise, args.noise_clip) < 0:
-        fail("--learning-rate must be positive and --policy-noise, --exploration-noise, --noise-clip non-negative")
+    if not (math.isfinite(args.learning_rate) and args.learning_rate > 0):
+        fail(f"--learning-rate must be a positive number, got {args.learning_rate}")
+    for name in ("policy_noise", "exploration_noise", "noise_clip"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            fail(f"--{name.replace('_', '-')} must be a non-negative number, got {getattr(args, name)}")
     if args.measure_burnin < 0 or args.log_every <= 0:
         fail("--measure-burnin must be >= 0 and --log-every positive")
     if args.capture_video:
@@ -122,7 +127,10 @@ def check_args(args: Args):
         close = difflib.get_close_matches(args.env_id, list(gym.registry), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "pick one from gymnasium.registry"
         fail(f"unknown env id {args.env_id!r}: {hint}")
-    env = gym.make(args.env_id)
+    try:
+        env = gym.make(args.env_id)
+    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
+        fail(f"cannot make {args.env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     act_space, obs_space = env.action_space, env.observation_space
     env.close()
     if not isinstance(act_space, gym.spaces.Box):
@@ -203,8 +211,11 @@ def make_updates(args, actor, qf1, qf2, actor_target, qf1_target, qf2_target):
     """Builds the optimisers and the two update steps; each step is a function over tensors on the
     device with no host synchronisation, so the compiled twin can compile it whole."""
     # fused: one kernel per parameter for Adam's update, 3-4x faster than the default loop on a CPU
-    q_optimizer = torch.optim.Adam(list(qf1.parameters()) + list(qf2.parameters()), lr=args.learning_rate, fused=True)
-    actor_optimizer = torch.optim.Adam(list(actor.parameters()), lr=args.learning_rate, fused=True)
+    actor_params = list(actor.parameters())
+    q_params = list(qf1.parameters()) + list(qf2.parameters())
+    target_params = list(actor_target.parameters()) + list(qf1_target.parameters()) + list(qf2_target.parameters())
+    q_optimizer = torch.optim.Adam(q_params, lr=args.learning_rate, fused=True)
+    actor_optimizer = torch.optim.Adam(actor_params, lr=args.learning_rate, fused=True)
 
     def update_critic(obs, actions, rewards, next_obs, dones):
         with torch.no_grad():
@@ -227,12 +238,11 @@ def make_updates(args, actor, qf1, qf2, actor_target, qf1_target, qf2_target):
         actor_loss = -qf1(obs, actor(obs)).mean()
         actor_optimizer.zero_grad()
         # gradients for the actor only: the critic's weight gradients would be computed, then discarded
-        actor_loss.backward(inputs=list(actor.parameters()))
+        actor_loss.backward(inputs=actor_params)
         actor_optimizer.step()
         # Polyak averaging of all three targets, t += tau * (p - t), after each (delayed) actor update
         with torch.no_grad():
-            for net, target in ((actor, actor_target), (qf1, qf1_target), (qf2, qf2_target)):
-                torch._foreach_lerp_(list(target.parameters()), list(net.parameters()), args.tau)
+            torch._foreach_lerp_(target_params, actor_params + q_params, args.tau)
         return actor_loss.detach()
 
     return (q_optimizer, actor_optimizer), (update_critic, update_actor)
@@ -279,7 +289,10 @@ def main(args: Args) -> dict:
     # REPLAY BUFFER: one float32 table on the device, a row (obs, action, reward, next_obs, termination)
     # per transition, so storing costs one host-to-device copy and sampling one gather
     fields = [n_obs, n_act, 1, n_obs, 1]
-    rb = torch.zeros((args.buffer_size, sum(fields)), dtype=torch.float32, device=device)
+    try:
+        rb = torch.zeros((args.buffer_size, sum(fields)), dtype=torch.float32, device=device)
+    except (RuntimeError, MemoryError):  # out of memory: a plain message, not an allocator traceback
+        fail(f"no room for a replay buffer of {args.buffer_size * sum(fields) * 4 / 2**30:.1f} GiB on {device}: lower --buffer-size")
     rb_pos, rb_size = 0, 0
 
     # TRAINING LOOP

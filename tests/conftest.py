@@ -15,6 +15,7 @@ def load_script(name):
     """Imports leanrl/<name>.py as a module: importing a script runs nothing but definitions."""
     spec = importlib.util.spec_from_file_location(name, LEANRL / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # torch.compile looks functions' modules up by name
     spec.loader.exec_module(module)
     return module
 
