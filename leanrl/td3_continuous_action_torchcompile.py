@@ -219,10 +219,6 @@ class Actor(nn.Module):
 def make_updates(args, actor, qnet, qnet_params, actor_target, qnet_target):
     """Builds the optimisers and the two update steps; each step is a function over tensors on the
     device with no host synchronisation, so the compiled twin can compile it whole."""
-    # fused: one kernel per parameter for Adam's update, 3-4x faster than the default loop on a CPU. It
-    # runs outside torch.compile (dynamo does not trace it), so a CUDA graph that replays the update
-    # needs it capturable (step counts on the device) with or without --compile
-    capturable = args.cudagraphs
     # the stacked tensors themselves, keyed "fc1.weight", ...: torch.func.functional_call runs the
     # weightless shell with them. (tensordict's `with params.to_module(qnet)` does the same, but two
     # such calls in one compiled function crash dynamo in torch 2.13)
@@ -234,6 +230,10 @@ def make_updates(args, actor, qnet, qnet_params, actor_target, qnet_target):
     actor_params = list(actor.parameters())
     q_params = list(q_weights.values())
     target_params = list(actor_target.parameters()) + list(q_target_weights.values())
+    # fused: one kernel per parameter for Adam's update, 3-4x faster than the default loop on a CPU. It
+    # runs outside torch.compile (dynamo does not trace it), so a CUDA graph that replays the update
+    # needs it capturable (step counts on the device) with or without --compile
+    capturable = args.cudagraphs
     q_optimizer = torch.optim.Adam(q_params, lr=args.learning_rate, fused=True, capturable=capturable)
     actor_optimizer = torch.optim.Adam(actor_params, lr=args.learning_rate, fused=True, capturable=capturable)
 
