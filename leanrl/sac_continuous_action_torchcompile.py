@@ -446,9 +446,10 @@ def main(args: Args) -> dict:
         # wall time of the first --measure-burnin training iterations: compile and warm-up live here
         "compile_seconds": round((steady_start if steady_start is not None else end_time) - burnin_start, 3),
         "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
-        "episodic_return": float(np.mean(returns)) if returns else None,
+        "episodic_return": float(np.mean(returns)) if returns and np.isfinite(returns).all() else None,
         "episodes": episodes,
-        "losses": {k: v.item() for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss), ("alpha", alpha)) if v is not None},
+        # a diverged (non-finite) loss is null: NaN is not JSON
+        "losses": {k: v.item() if torch.isfinite(v) else None for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss), ("alpha", alpha)) if v is not None},
         "run_name": run_name,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)

@@ -36,10 +36,14 @@ def summary_of(proc, cwd):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines, "no stdout: " + proc.stderr[-2000:]
-    summary = json.loads(lines[-1])
+    summary = json.loads(lines[-1], parse_constant=reject_non_json)
     with open(Path(cwd) / "runs" / summary["run_name"] / "summary.json") as f:
         assert json.load(f) == summary
     return summary
+
+
+def reject_non_json(constant):
+    raise AssertionError(f"{constant} in the summary: not valid JSON")
 
 
 @pytest.fixture

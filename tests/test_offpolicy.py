@@ -58,6 +58,16 @@ def test_short_run(script, flags, workdir):
         assert proc.stderr.count("--cudagraphs needs CUDA") == 1
 
 
+@pytest.mark.parametrize("script", [SAC, TD3])
+def test_diverged_run_still_ends_with_valid_json(script, workdir):
+    """A learning rate of 1e30 turns the weights, the actions and the returns into NaN within a few
+    updates: the summary says null where a number is not finite."""
+    lr_flags = ["--q-lr", "1e30", "--policy-lr", "1e30"] if script == SAC else ["--learning-rate", "1e30"]
+    proc = run_script(script, *SHORT, *lr_flags, cwd=workdir)
+    summary = summary_of(proc, workdir)
+    assert summary["losses"]["qf_loss"] is None and summary["episodic_return"] is None
+
+
 def test_track_logs_to_wandb_offline(workdir):
     proc = run_script(SAC_TWIN, *SHORT, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
     summary_of(proc, workdir)
