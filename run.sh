@@ -3,7 +3,7 @@
 # under one results folder (results/<date>/runs/<run_name>/summary.json).
 #
 #   ./run.sh                                   # the full table: 1M steps, seeds 1 2 3 (hours)
-#   STEPS=30000 SEEDS=1 ./run.sh               # a short version for a CPU (TD3 needs > 25000)
+#   STEPS=50000 SEEDS=1 ./run.sh               # a short version for a CPU (TD3 needs > 25000, PPO >= 2048)
 #   SCRIPTS="sac_continuous_action" ./run.sh   # some scripts only (names without .py)
 #   DRY_RUN=1 ./run.sh                         # print the commands, run nothing
 #   EXTRA="--env-id Pendulum-v1" ./run.sh      # flags appended to every command
@@ -14,14 +14,14 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 STEPS=${STEPS:-1000000}
 SEEDS=${SEEDS:-1 2 3}
-SCRIPTS=${SCRIPTS:-sac_continuous_action td3_continuous_action}
+SCRIPTS=${SCRIPTS:-ppo_continuous_action sac_continuous_action td3_continuous_action}
 RESULTS=${RESULTS:-$here/results/$(date +%Y%m%d-%H%M%S)}
 
 # script -> the variants to run ("" = the script with no flag); the twins' flags are --compile and
 # --cudagraphs (on a machine without CUDA, --cudagraphs warns and runs without graphs)
 variants() {
   case $1 in
-    sac_continuous_action | td3_continuous_action) echo "$1|" ;;
+    ppo_continuous_action | sac_continuous_action | td3_continuous_action) echo "$1|" ;;
     *) echo "unknown script $1" >&2; return 1 ;;
   esac
   # every eager script has a _torchcompile twin, run in four variants
@@ -30,10 +30,11 @@ variants() {
   done
 }
 
-# per-script settings beyond the defaults: SAC and TD3 learn from 5000 / 25000 random steps first
+# per-script settings beyond the defaults (all on HalfCheetah-v5; SAC and TD3 learn from 5000 / 25000
+# random steps first, PPO updates after each rollout of 2048 steps)
 extra() {
   case $1 in
-    sac_continuous_action* | td3_continuous_action*) echo "--env-id HalfCheetah-v5" ;;
+    ppo_continuous_action* | sac_continuous_action* | td3_continuous_action*) echo "--env-id HalfCheetah-v5" ;;
   esac
 }
 
