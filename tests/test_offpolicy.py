@@ -7,6 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import tyro
 from conftest import load_script, run_script, summary_of
 from tensordict import from_modules
 
@@ -271,12 +272,26 @@ def test_learns_pendulum(script, flags, steps, workdir):
         (["--env-id", "CarRacing-v3"], "cannot make CarRacing-v3"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_code_2(script, flags, message, workdir):
-    proc = run_script(script, *flags, cwd=workdir)
-    assert proc.returncode == 2, proc.stderr
+def test_bad_input_is_one_line_and_exit_code_2(script, flags, message, workdir, monkeypatch, capsys):
+    """In-process (a subprocess per case would cost seconds of imports); the next test runs the
+    command line itself."""
+    monkeypatch.chdir(workdir)
+    module = load_script(script)
+    with pytest.raises(SystemExit) as exit:
+        module.main(tyro.cli(module.Args, args=flags))
+    assert exit.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert out == ""
+
+
+@pytest.mark.parametrize("script", ALL)
+def test_bad_input_on_the_command_line(script, workdir):
+    proc = run_script(script, "--env-id", "HalfCheeta-v5", cwd=workdir)
+    assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
-    assert proc.stdout == ""
+    assert len(lines) == 1 and lines[0].startswith("error: unknown env id 'HalfCheeta-v5': did you mean HalfCheetah-v5"), proc.stderr
 
 
 @pytest.mark.parametrize("script", ALL)
