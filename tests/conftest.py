@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +50,12 @@ def reject_non_json(constant):
 @pytest.fixture
 def workdir(tmp_path):
     return tmp_path
+
+
+def _missing_simulator(**kwargs):
+    raise ImportError("the simulator of this env is not installed")
+
+
+# an env whose simulator is missing (as CarRacing is without Box2D), whatever this machine has installed
+MISSING_SIMULATOR = "LeanrlMissingSimulator-v0"
+gym.register(MISSING_SIMULATOR, entry_point=_missing_simulator)

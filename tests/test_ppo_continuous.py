@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import tyro
-from conftest import load_script, run_script, summary_of
+from conftest import MISSING_SIMULATOR, load_script, run_script, summary_of
 
 PPO, PPO_TWIN = "ppo_continuous_action", "ppo_continuous_action_torchcompile"
 SUMMARY_KEYS = {
@@ -251,7 +251,7 @@ def test_learns_inverted_pendulum(script, flags, workdir):
         (["--gamma", "1.5"], "must lie in [0, 1]"),
         (["--learning-rate", "nan"], "--learning-rate must be a positive number"),
         (["--target-kl", "-0.1"], "--target-kl must be a positive number"),
-        (["--env-id", "CarRacing-v3"], "cannot make CarRacing-v3"),
+        (["--env-id", MISSING_SIMULATOR], f"cannot make {MISSING_SIMULATOR}: the simulator of this env is not installed"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(script, flags, message, workdir, monkeypatch, capsys):
