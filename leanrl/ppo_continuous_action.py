@@ -380,6 +380,7 @@ def main(args: Args) -> dict:
 
             next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
             rewards.append(truncation_bootstrap(reward, terminations, truncations, infos, get_value, args.gamma))
+            # on a CPU this shares the array envs.step returned, a new one each step (SyncVectorEnv copies by default)
             next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
             next_done = terminations | truncations
             for episodic_return, _ in finished_episodes(infos):
