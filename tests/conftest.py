@@ -7,6 +7,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 LEANRL = ROOT / "leanrl"
@@ -41,6 +42,27 @@ def summary_of(proc, cwd):
     with open(Path(cwd) / "runs" / summary["run_name"] / "summary.json") as f:
         assert json.load(f) == summary
     return summary
+
+
+def assert_rejected(script, flags, message, capsys):
+    """main() with these flags stops before any work: exit code 2, nothing on stdout, one line
+    `error: ...` on stderr that contains `message`. In-process: a subprocess per case would cost
+    seconds of imports (assert_rejected_on_the_command_line runs the command itself)."""
+    module = load_script(script)
+    with pytest.raises(SystemExit) as exit:
+        module.main(tyro.cli(module.Args, args=flags))
+    assert exit.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert out == ""
+
+
+def assert_rejected_on_the_command_line(script, flags, message, cwd):
+    proc = run_script(script, *flags, cwd=cwd)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
 
 
 def reject_non_json(constant):

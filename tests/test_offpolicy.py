@@ -7,8 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import tyro
-from conftest import MISSING_SIMULATOR, load_script, run_script, summary_of
+from conftest import MISSING_SIMULATOR, assert_rejected, assert_rejected_on_the_command_line, load_script, run_script, summary_of
 from tensordict import from_modules
 
 SAC, SAC_TWIN = "sac_continuous_action", "sac_continuous_action_torchcompile"
@@ -273,25 +272,15 @@ def test_learns_pendulum(script, flags, steps, workdir):
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(script, flags, message, workdir, monkeypatch, capsys):
-    """In-process (a subprocess per case would cost seconds of imports); the next test runs the
-    command line itself."""
     monkeypatch.chdir(workdir)
-    module = load_script(script)
-    with pytest.raises(SystemExit) as exit:
-        module.main(tyro.cli(module.Args, args=flags))
-    assert exit.value.code == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
-    assert out == ""
+    assert_rejected(script, flags, message, capsys)
 
 
 @pytest.mark.parametrize("script", ALL)
 def test_bad_input_on_the_command_line(script, workdir):
-    proc = run_script(script, "--env-id", "HalfCheeta-v5", cwd=workdir)
-    assert proc.returncode == 2 and proc.stdout == ""
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: unknown env id 'HalfCheeta-v5': did you mean HalfCheetah-v5"), proc.stderr
+    assert_rejected_on_the_command_line(
+        script, ["--env-id", "HalfCheeta-v5"], "error: unknown env id 'HalfCheeta-v5': did you mean HalfCheetah-v5", workdir
+    )
 
 
 @pytest.mark.parametrize("script", ALL)

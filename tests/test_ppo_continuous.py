@@ -6,8 +6,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import tyro
-from conftest import MISSING_SIMULATOR, load_script, run_script, summary_of
+from conftest import MISSING_SIMULATOR, assert_rejected, assert_rejected_on_the_command_line, load_script, run_script, summary_of
 
 PPO, PPO_TWIN = "ppo_continuous_action", "ppo_continuous_action_torchcompile"
 SUMMARY_KEYS = {
@@ -255,26 +254,14 @@ def test_learns_inverted_pendulum(script, flags, workdir):
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(script, flags, message, workdir, monkeypatch, capsys):
-    """In-process (a subprocess per case would cost seconds of imports); the next test runs the
-    command line itself."""
     monkeypatch.chdir(workdir)
-    module = load_script(script)
-    with pytest.raises(SystemExit) as exit:
-        module.main(tyro.cli(module.Args, args=flags))
-    assert exit.value.code == 2
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
-    assert out == ""
+    assert_rejected(script, flags, message, capsys)
 
 
 @pytest.mark.parametrize("script", [PPO, PPO_TWIN])
 def test_bad_input_on_the_command_line(script, workdir):
-    proc = run_script(script, "--env-id", "CartPole-v1", cwd=workdir)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
-        "error: this PPO samples continuous (Box) actions, but CartPole-v1 has Discrete(2): pass an env with Box actions, such as HalfCheetah-v5"
-    ]
+    message = "error: this PPO samples continuous (Box) actions, but CartPole-v1 has Discrete(2): pass an env with Box actions, such as HalfCheetah-v5"
+    assert_rejected_on_the_command_line(script, ["--env-id", "CartPole-v1"], message, workdir)
 
 
 @pytest.mark.parametrize("script", [PPO, PPO_TWIN])
