@@ -1,0 +1,512 @@
+"""Proximal Policy Optimization (PPO) on Atari with envpool: the torch.compile / CUDA-graph twin.
+
+Schulman et al., "Proximal Policy Optimization Algorithms", 2017, https://arxiv.org/abs/1707.06347
+The Nature CNN (Mnih et al., 2015) with a categorical policy head and a value head, the clipped
+surrogate objective, GAE, value clipping, per-minibatch advantage normalisation, an entropy bonus,
+learning-rate annealing and optional `--target-kl` early stopping, with CleanRL's hyper-parameters,
+on envpool's C++ Atari with the standard settings (84x84 grey frames, 4 stacked, 4 frames skipped,
+up to 30 no-ops at reset, FIRE at reset, a lost life ends the learner's episode, rewards clipped
+to their sign). It computes what ppo_atari_envpool.py computes; `diff` the two files to see what
+compiling takes: GAE as a log-depth scan instead of a loop, the minibatch update as one graph
+(torch.func.grad and Adam written out), the acting policy, GAE and the update compiled with
+torch.compile and replayed as CUDA graphs (tensordict's CudaGraphModule), and an acting copy of the
+policy that shares the learner's weights. Needs requirements/requirements-atari.txt.
+
+    python leanrl/ppo_atari_envpool_torchcompile.py --compile --cudagraphs
+"""
+
+import difflib
+import json
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import tqdm
+import tyro
+from tensordict import from_module
+from tensordict.nn import CudaGraphModule
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    torch_deterministic: bool = True
+    """if toggled, `torch.backends.cudnn.deterministic=True`"""
+    cuda: bool = True
+    """if toggled, cuda will be used when available (the script falls back to the CPU with a note)"""
+    track: bool = False
+    """if toggled, this experiment will be tracked with Weights and Biases (honours WANDB_MODE)"""
+    wandb_project_name: str = "leanrl"
+    """the wandb's project name"""
+    wandb_entity: Optional[str] = None
+    """the entity (team) of wandb's project"""
+
+    # Algorithm specific arguments
+    env_id: str = "Breakout-v5"
+    """the id of the envpool Atari game (envpool's `-v5` ids)"""
+    total_timesteps: int = 10_000_000
+    """total timesteps of the experiments (rounded down to whole rollouts of num_envs * num_steps)"""
+    learning_rate: float = 2.5e-4
+    """the learning rate of the optimizer"""
+    num_envs: int = 8
+    """the number of parallel game environments"""
+    num_steps: int = 128
+    """the number of steps to run in each environment per policy rollout"""
+    anneal_lr: bool = True
+    """toggle learning rate annealing for policy and value networks"""
+    gamma: float = 0.99
+    """the discount factor gamma"""
+    gae_lambda: float = 0.95
+    """the lambda for the general advantage estimation"""
+    num_minibatches: int = 4
+    """the number of mini-batches"""
+    update_epochs: int = 4
+    """the K epochs to update the policy"""
+    norm_adv: bool = True
+    """toggles advantages normalization"""
+    clip_coef: float = 0.1
+    """the surrogate clipping coefficient"""
+    clip_vloss: bool = True
+    """toggles whether or not to use a clipped loss for the value function, as per the paper"""
+    ent_coef: float = 0.01
+    """coefficient of the entropy"""
+    vf_coef: float = 0.5
+    """coefficient of the value function"""
+    max_grad_norm: float = 0.5
+    """the maximum norm for the gradient clipping"""
+    target_kl: Optional[float] = None
+    """the target KL divergence threshold: an iteration stops its epochs once the last minibatch's exceeds it"""
+
+    # Performance
+    compile: bool = False
+    """whether to compile the policy, GAE and the update with torch.compile"""
+    cudagraphs: bool = False
+    """whether to replay the policy, GAE and the update as CUDA graphs (CUDA only: on a CPU it warns and runs without)"""
+    measure_burnin: int = 2
+    """iterations (rollout + update) left out of the steady-state sps: compiling happens in the first,
+    and GAE's CUDA graph, called once an iteration, is captured in the second"""
+
+
+def fail(message: str):
+    """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def atari_games():
+    """envpool's Atari ids (envpool also registers MuJoCo, classic control, Procgen...)."""
+    from envpool.registration import registry
+
+    return sorted(env_id for env_id, (module, *_) in registry.specs.items() if module == "envpool.atari")
+
+
+def check_args(args: Args):
+    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
+        if getattr(args, name) <= 0:
+            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**31:  # envpool's seed is an int32
+        fail(f"--seed must lie in [0, 2**31), got {args.seed}")
+    batch_size = args.num_envs * args.num_steps
+    if args.total_timesteps < batch_size:
+        fail(
+            f"--total-timesteps ({args.total_timesteps}) is smaller than one rollout of --num-envs * --num-steps "
+            f"({batch_size}) steps, so no update ever runs: raise the budget or lower --num-steps"
+        )
+    if batch_size % args.num_minibatches:
+        fail(
+            f"the batch of --num-envs * --num-steps = {batch_size} steps does not split into --num-minibatches "
+            f"({args.num_minibatches}) equal minibatches: pick a divisor of {batch_size}"
+        )
+    if args.norm_adv and batch_size // args.num_minibatches < 2:
+        fail("advantage normalisation needs minibatches of at least 2 steps: lower --num-minibatches or pass --no-norm-adv")
+    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.gae_lambda <= 1.0):  # also false for nan
+        fail(f"--gamma ({args.gamma}) and --gae-lambda ({args.gae_lambda}) must lie in [0, 1]")
+    for name in ("learning_rate", "clip_coef", "max_grad_norm"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            fail(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    for name in ("ent_coef", "vf_coef"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
+            fail(f"--{name.replace('_', '-')} must be a non-negative number, got {getattr(args, name)}")
+    if args.target_kl is not None and not (math.isfinite(args.target_kl) and args.target_kl > 0):
+        fail(f"--target-kl must be a positive number, got {args.target_kl}")
+    if args.measure_burnin < 0:
+        fail(f"--measure-burnin must be >= 0, got {args.measure_burnin}")
+    try:
+        import envpool  # noqa: F401
+    except ImportError:
+        fail("this script needs envpool: pip install -r requirements/requirements-atari.txt")
+    games = atari_games()
+    if args.env_id not in games:
+        close = difflib.get_close_matches(args.env_id, games, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else "pick an Atari game such as Breakout-v5 or Pong-v5"
+        fail(f"{args.env_id!r} is not an envpool Atari game: {hint}")
+
+
+def make_envs(env_id, num_envs, seed):
+    """num_envs games stepped together in envpool's C++ threads, the settings of CleanRL's
+    ppo_atari_envpool.py: frame skip 4, 84x84 grey frames stacked 4 deep (uint8), up to 30 no-ops and
+    FIRE (in the games that have it) at reset, 27,000 steps at most, a lost life reported as a
+    termination (the game goes on) and rewards clipped to their sign. infos["reward"] keeps the
+    unclipped reward and infos["terminated"] says that the game itself is over."""
+    import envpool
+
+    return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, episodic_life=True, reward_clip=True, seed=seed)
+
+
+class GameStatistics:
+    """The score of whole games, summed from the unclipped rewards over all their lives.
+
+    With episodic life, `terminations` fires at every lost life, so summing rewards between those
+    would report one life's clipped score. A game ends at game over (infos["terminated"]) or at the
+    time limit (`truncations`): both reset the count. After every learner's episode end (lost life
+    included) envpool spends one step resetting, which ignores the action, pays nothing and leaves
+    infos["elapsed_step"] alone, so a game's length is its elapsed_step when it ends."""
+
+    def __init__(self, num_envs):
+        self.returns = np.zeros(num_envs)
+
+    def update(self, truncations, infos):
+        """Counts one step; returns (return, length) of each game that ended in it."""
+        self.returns += infos["reward"]
+        game_over = infos["terminated"].astype(bool) | truncations
+        finished = list(zip(self.returns[game_over].tolist(), infos["elapsed_step"][game_over].tolist()))
+        self.returns[game_over] = 0.0
+        return finished
+
+
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, n_act, device=None):
+        super().__init__()
+        # the Nature CNN: (N, 4, 84, 84) -> (N, 512)
+        self.network = nn.Sequential(
+            layer_init(nn.Conv2d(4, 32, 8, stride=4, device=device)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(32, 64, 4, stride=2, device=device)),
+            nn.ReLU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=1, device=device)),
+            nn.ReLU(),
+            nn.Flatten(),
+            layer_init(nn.Linear(64 * 7 * 7, 512, device=device)),
+            nn.ReLU(),
+        )
+        self.actor = layer_init(nn.Linear(512, n_act, device=device), std=0.01)
+        self.critic = layer_init(nn.Linear(512, 1, device=device), std=1)
+
+    def get_value(self, x):
+        return self.critic(self.network(x / 255.0))
+
+    def get_action_and_value(self, x, action=None):
+        """x: uint8 frames (N, 4, 84, 84), scaled to [0, 1] here so that they travel as bytes.
+        Samples an action (or scores the given one); returns (action, log_prob, entropy, value).
+        The categorical distribution is written out: torch.distributions.Categorical checks its
+        arguments on every call, which costs more than the maths at these sizes."""
+        hidden = self.network(x / 255.0)
+        logits = self.actor(hidden)
+        log_probs = logits.log_softmax(-1)
+        if action is None:
+            # Gumbel-max: the argmax of the logits plus Gumbel noise is a sample of softmax(logits)
+            action = (logits - torch.rand_like(logits).log().neg().log()).argmax(-1)
+        log_prob = log_probs.gather(-1, action[..., None]).squeeze(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        return action, log_prob, entropy, self.critic(hidden)
+
+    def forward(self, x, action=None):  # what torch.func.functional_call runs
+        return self.get_action_and_value(x, action)
+
+
+def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda):
+    """Generalised advantage estimation over a rollout, all (num_steps, num_envs); returns
+    (advantages, returns). dones[t] says that obs[t] began a new episode."""
+    next_values = torch.cat([values[1:], next_value[None]])  # V(s_{t+1})
+    next_nonterminal = 1.0 - torch.cat([dones[1:], next_done[None]])
+    deltas = rewards + gamma * next_values * next_nonterminal - values
+    coefs = gamma * gae_lambda * next_nonterminal
+    # A[t] = delta[t] + coef[t] * A[t+1], from the last step back, as a Hillis-Steele scan: after the
+    # round with shift s, advantages[t] sums the terms t .. t+2s-1 and coefs[t] is their discount, so
+    # log2(num_steps) vectorised rounds replace the num_steps-long loop that torch.compile would unroll
+    advantages, shift = deltas, 1
+    while shift < len(rewards):
+        advantages = advantages + coefs * torch.cat([advantages[shift:], torch.zeros_like(advantages[:shift])])
+        coefs = coefs * torch.cat([coefs[shift:], torch.zeros_like(coefs[:shift])])
+        shift *= 2
+    return advantages, advantages + values
+
+
+def make_update(args, agent):
+    """Builds the minibatch update, a function over tensors on the device with no host
+    synchronisation, and a setter for the learning rate; returns (update, set_learning_rate).
+
+    The update compiles into one graph: torch.func.grad replaces loss.backward() and Adam's arithmetic
+    replaces optimizer.step(). torch.compile splits a function at backward() and around
+    optimizer.step(), and each split costs a pass over the weights and a return to Python."""
+    params = dict(agent.named_parameters())  # the learner's weights, updated in place
+    weights = list(params.values())
+    # torch.optim.Adam's state (eps=1e-5 as in CleanRL). The learning rate is a tensor that annealing
+    # overwrites in place: a float would be baked into the compiled code and the CUDA graph
+    lr = torch.tensor(args.learning_rate, device=weights[0].device)
+    beta1, beta2, eps = 0.9, 0.999, 1e-5
+    step = torch.zeros((), device=weights[0].device)
+    exp_avgs = [torch.zeros_like(w) for w in weights]
+    exp_avg_sqs = [torch.zeros_like(w) for w in weights]
+
+    def set_learning_rate(value):
+        lr.fill_(value)
+
+    def loss_fn(params, obs, actions, logprobs, advantages, returns, values):
+        _, newlogprob, entropy, newvalue = torch.func.functional_call(agent, params, (obs, actions))
+        logratio = newlogprob - logprobs
+        ratio = logratio.exp()
+        with torch.no_grad():
+            # calculate approx_kl http://joschu.net/blog/kl-approx.html
+            old_approx_kl = (-logratio).mean()
+            approx_kl = ((ratio - 1) - logratio).mean()
+            clipfrac = ((ratio - 1.0).abs() > args.clip_coef).float().mean()
+        if args.norm_adv:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+
+        # Policy loss
+        pg_loss1 = -advantages * ratio
+        pg_loss2 = -advantages * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+        pg_loss = torch.max(pg_loss1, pg_loss2).mean()
+
+        # Value loss
+        newvalue = newvalue.view(-1)
+        if args.clip_vloss:
+            v_loss_unclipped = (newvalue - returns) ** 2
+            v_clipped = values + torch.clamp(newvalue - values, -args.clip_coef, args.clip_coef)
+            v_loss_clipped = (v_clipped - returns) ** 2
+            v_loss = 0.5 * torch.max(v_loss_unclipped, v_loss_clipped).mean()
+        else:
+            v_loss = 0.5 * ((newvalue - returns) ** 2).mean()
+
+        entropy_loss = entropy.mean()
+        loss = pg_loss - args.ent_coef * entropy_loss + v_loss * args.vf_coef
+        return loss, (pg_loss.detach(), v_loss.detach(), entropy_loss.detach(), old_approx_kl, approx_kl, clipfrac)
+
+    def update(obs, actions, logprobs, advantages, returns, values):
+        """One gradient step on a minibatch; returns (pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac)."""
+        grads, stats = torch.func.grad(loss_fn, has_aux=True)(params, obs, actions, logprobs, advantages, returns, values)
+        grads = list(grads.values())
+        with torch.no_grad():
+            # nn.utils.clip_grad_norm_, on the gradients in hand
+            total_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            torch._foreach_mul_(grads, (args.max_grad_norm / (total_norm + 1e-6)).clamp(max=1.0))
+            # torch.optim.Adam's step (no weight decay, no amsgrad)
+            step.add_(1)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            denom = torch._foreach_div(torch._foreach_sqrt(exp_avg_sqs), (1 - beta2**step).sqrt())
+            torch._foreach_add_(denom, eps)
+            updates = torch._foreach_div(exp_avgs, denom)
+            torch._foreach_mul_(updates, lr / (1 - beta1**step))
+            torch._foreach_sub_(weights, updates)
+        return stats
+
+    return update, set_learning_rate
+
+
+def main(args: Args) -> dict:
+    check_args(args)
+    batch_size = args.num_envs * args.num_steps
+    minibatch_size = batch_size // args.num_minibatches
+    num_iterations = args.total_timesteps // batch_size
+    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+
+    # SEEDING AND DEVICE
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.deterministic = args.torch_deterministic
+    if args.cuda and not torch.cuda.is_available():
+        print("note: CUDA is not available, running on the CPU", file=sys.stderr)
+    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
+    if args.cudagraphs and device.type != "cuda":
+        print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
+        args.cudagraphs = False
+
+    wandb = None
+    if args.track:
+        import wandb  # only imported when asked for: no account or network needed otherwise
+
+        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
+
+    # ENVIRONMENTS: envpool resets a finished env on its next step (which ignores the action)
+    envs = make_envs(args.env_id, args.num_envs, args.seed)
+    obs_shape = envs.single_observation_space.shape  # (4, 84, 84), uint8
+    n_act = envs.single_action_space.n
+
+    # AGENT: on a CPU, oneDNN's convolutions run about 1.5x faster on channels-last (NHWC) weights and
+    # frames; each step's frames take that layout as they arrive, and stacking, gathering and
+    # splitting the rollout keep it
+    memory_format = torch.channels_last if device.type == "cpu" else torch.contiguous_format
+    agent = Agent(n_act, device=device).to(memory_format=memory_format)
+    update, set_learning_rate = make_update(args, agent)
+
+    # the acting policy: a copy that shares the learner's weights, detached from autograd
+    agent_inference = Agent(n_act, device="meta")  # a shell without weights, filled by to_module
+    from_module(agent).data.to_module(agent_inference)
+    policy = agent_inference.get_action_and_value
+    gae = compute_gae
+
+    # COMPILE: torch.compile fuses each step's kernels; CudaGraphModule then records the launches
+    # once and replays them, removing the per-kernel launch cost that dominates at these sizes
+    if args.compile:
+        # on a CPU, inductor's C++ wrapper (in place of its Python one) saves about 20 us a call
+        policy = torch.compile(policy, options={"cpp_wrapper": device.type == "cpu"})
+        gae = torch.compile(gae)
+        update = torch.compile(update)
+    if args.cudagraphs:
+        policy = CudaGraphModule(policy)
+        gae = CudaGraphModule(gae)
+        update = CudaGraphModule(update)
+
+    # TRAINING LOOP
+    games = GameStatistics(args.num_envs)
+    returns_window = deque(maxlen=10)  # the whole-game scores of the last 10 finished games
+    episodes, global_step, gradient_steps = 0, 0, 0
+    losses = {}
+    start_time = time.perf_counter()
+    steady_start, steady_step = None, 0
+    next_obs, _ = envs.reset()
+    # frames travel as uint8, a quarter of float32's bytes: one copy to the device per step
+    next_obs = torch.as_tensor(next_obs, device=device).contiguous(memory_format=memory_format)
+    next_done = np.zeros(args.num_envs, dtype=bool)
+    pbar = tqdm.tqdm(range(num_iterations), file=sys.stderr, mininterval=1.0)
+    for iteration in pbar:
+        if iteration == args.measure_burnin:
+            steady_start, steady_step = time.perf_counter(), global_step
+        # linearly from --learning-rate down to (almost) 0 with --anneal-lr
+        lrnow = (1.0 - iteration / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
+        set_learning_rate(lrnow)
+
+        # COLLECT TRAJECTORIES: a list per quantity, one entry per step, stacked once per rollout
+        # (appending costs less than writing into preallocated storage, an indexing call per step)
+        obs, actions, logprobs, rewards, dones, values = [], [], [], [], [], []
+        for step in range(args.num_steps):
+            global_step += args.num_envs
+            obs.append(next_obs)
+            dones.append(next_done)
+            with torch.no_grad():
+                action, logprob, _, value = policy(next_obs)
+            values.append(value)
+            actions.append(action)
+            logprobs.append(logprob)
+
+            next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
+            rewards.append(reward)
+            next_obs = torch.as_tensor(next_obs, device=device).contiguous(memory_format=memory_format)
+            # a lost life ends the learner's episode, as in CleanRL; so does the time limit (rare in
+            # Atari: 27,000 steps), without the bootstrap the continuous PPO adds
+            next_done = terminations | truncations
+            for episodic_return, _ in games.update(truncations, infos):
+                returns_window.append(episodic_return)
+                episodes += 1
+
+        # (num_steps, num_envs, ...) tensors on the device
+        obs, actions, logprobs = torch.stack(obs), torch.stack(actions), torch.stack(logprobs)
+        values = torch.stack(values).view(args.num_steps, args.num_envs)
+        rewards = torch.as_tensor(np.stack(rewards), dtype=torch.float32, device=device)
+        dones = torch.as_tensor(np.stack(dones), dtype=torch.float32, device=device)
+
+        # CALCULATE ADVANTAGE
+        with torch.no_grad():
+            next_value = agent.get_value(next_obs).view(-1)
+            next_done_t = torch.as_tensor(next_done, dtype=torch.float32, device=device)
+            advantages, returns = gae(next_value, next_done_t, rewards, values, dones, args.gamma, args.gae_lambda)
+
+        # flatten the batch
+        b_obs = obs.reshape(-1, *obs_shape)
+        b_actions = actions.reshape(-1)
+        b_logprobs = logprobs.reshape(-1)
+        b_advantages = advantages.reshape(-1)
+        b_returns = returns.reshape(-1)
+        b_values = values.reshape(-1)
+
+        # OPTIMIZE: update_epochs passes over the batch in shuffled minibatches. Each epoch gathers the
+        # batch once in a random order and cuts it into consecutive minibatches (views, no copies)
+        clipfracs = []
+        for epoch in range(args.update_epochs):
+            b_inds = torch.randperm(batch_size, device=device)
+            batch = (b_obs, b_actions, b_logprobs, b_advantages, b_returns, b_values)
+            for minibatch in zip(*(x[b_inds].split(minibatch_size) for x in batch)):
+                pg_loss, v_loss, entropy_loss, old_approx_kl, approx_kl, clipfrac = update(*minibatch)
+                clipfracs.append(clipfrac)
+                gradient_steps += 1
+            # CleanRL's rule: after a whole epoch, stop if the last minibatch's KL estimate is past the target
+            if args.target_kl is not None and approx_kl.item() > args.target_kl:
+                break
+
+        # LOG: once per iteration, the only place losses reach the host (with the --target-kl check)
+        var_y = b_returns.var()
+        explained_var = 1 - (b_returns - b_values).var() / var_y  # nan when the returns are constant
+        losses = {
+            "learning_rate": lrnow,
+            "value_loss": v_loss.item(),
+            "policy_loss": pg_loss.item(),
+            "entropy": entropy_loss.item(),
+            "old_approx_kl": old_approx_kl.item(),
+            "approx_kl": approx_kl.item(),
+            "clipfrac": torch.stack(clipfracs).mean().item(),
+            "explained_variance": explained_var.item(),
+        }
+        sps = (global_step - steady_step) / (time.perf_counter() - steady_start) if steady_start is not None else None
+        logs = {"episodic_return": float(np.mean(returns_window)) if returns_window else None, "sps": sps, **losses}
+        pbar.set_postfix({k: f"{logs[k]:.4g}" for k in ("episodic_return", "sps", "value_loss") if logs[k] is not None}, refresh=False)
+        if wandb is not None:
+            wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
+    pbar.close()
+    envs.close()
+
+    # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
+    end_time = time.perf_counter()
+    steady = steady_start is not None and global_step > steady_step
+    summary = {
+        "script": os.path.basename(__file__),
+        "env_id": args.env_id,
+        "seed": args.seed,
+        "compile": args.compile,
+        "cudagraphs": args.cudagraphs,
+        "device": str(device),
+        "torch": torch.__version__,
+        "global_step": global_step,
+        "wall_seconds": round(end_time - start_time, 3),
+        # wall time of the first --measure-burnin iterations: compile and warm-up live here
+        "compile_seconds": round((steady_start if steady_start is not None else end_time) - start_time, 3),
+        "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
+        "episodic_return": float(np.mean(returns_window)) if returns_window and np.isfinite(returns_window).all() else None,
+        "episodes": episodes,
+        "gradient_steps": gradient_steps,
+        # a diverged (non-finite) loss is null: NaN is not JSON
+        "losses": {k: v if math.isfinite(v) else None for k, v in losses.items()},
+        "run_name": run_name,
+    }
+    os.makedirs(f"runs/{run_name}", exist_ok=True)
+    with open(f"runs/{run_name}/summary.json", "w") as f:
+        json.dump(summary, f)
+    if wandb is not None:
+        wandb.summary.update(summary)
+        wandb.finish()
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
