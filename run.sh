@@ -8,11 +8,17 @@
 #   SCRIPTS="sac_continuous_action" ./run.sh   # some scripts only (names without .py)
 #   DRY_RUN=1 ./run.sh                         # print the commands, run nothing
 #   EXTRA="--env-id Pendulum-v1" ./run.sh      # flags appended to every command
+#   VARIANTS="eager twin compile" ./run.sh     # some variants only (on a CPU --cudagraphs changes nothing)
 #
-# The Breakout learning check (8 envs, 200,000 steps, eager and twin --compile, about 8 minutes each
-# on 2 CPU cores) is a test left out of the default run: python -m pytest tests -m slow
+# At the end (not in a dry run) benchmarks/report.py writes report.md, sps.png and returns.png into
+# the results folder (the plots need requirements/requirements-bench.txt).
 #
-# Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN.
+# The Breakout learning check (8 envs, 200,000 steps, eager and twin --compile, 15-20 minutes each on
+# 2 CPU cores) is a test left out of the default test run: python -m pytest tests -m slow
+#
+# Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN,
+# VARIANTS (any of: eager twin compile cudagraphs compile+cudagraphs, the default all five: the eager
+# script, its _torchcompile twin with no flag, --compile, --cudagraphs, both).
 # Steady-state sps and compile seconds are in each summary: compile time is never in the sps.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,17 +26,31 @@ STEPS=${STEPS:-1000000}
 SEEDS=${SEEDS:-1 2 3}
 SCRIPTS=${SCRIPTS:-ppo_atari_envpool ppo_continuous_action sac_continuous_action td3_continuous_action}
 RESULTS=${RESULTS:-$here/results/$(date +%Y%m%d-%H%M%S)}
+ALL_VARIANTS="eager twin compile cudagraphs compile+cudagraphs"
+VARIANTS=${VARIANTS:-$ALL_VARIANTS}
+for variant in $VARIANTS; do  # checked before the first run, not hours into the table
+  case " $ALL_VARIANTS " in
+    *" $variant "*) ;;
+    *) echo "error: unknown variant $variant in VARIANTS (pick from: $ALL_VARIANTS)" >&2; exit 2 ;;
+  esac
+done
 
-# script -> the variants to run ("" = the script with no flag); the twins' flags are --compile and
-# --cudagraphs (on a machine without CUDA, --cudagraphs warns and runs without graphs)
+# script -> the variants to run, one "file|flags" line each, in the order of VARIANTS; the twins'
+# flags are --compile and --cudagraphs (on a machine without CUDA, --cudagraphs warns and runs
+# without graphs)
 variants() {
   case $1 in
-    ppo_atari_envpool | ppo_continuous_action | sac_continuous_action | td3_continuous_action) echo "$1|" ;;
+    ppo_atari_envpool | ppo_continuous_action | sac_continuous_action | td3_continuous_action) ;;
     *) echo "unknown script $1" >&2; return 1 ;;
   esac
-  # every eager script has a _torchcompile twin, run in four variants
-  for flags in "" "--compile" "--cudagraphs" "--compile --cudagraphs"; do
-    echo "${1}_torchcompile|$flags"
+  for variant in $VARIANTS; do
+    case $variant in
+      eager) echo "$1|" ;;
+      twin) echo "${1}_torchcompile|" ;;
+      compile) echo "${1}_torchcompile|--compile" ;;
+      cudagraphs) echo "${1}_torchcompile|--cudagraphs" ;;
+      compile+cudagraphs) echo "${1}_torchcompile|--compile --cudagraphs" ;;
+    esac
   done
 }
 
@@ -44,8 +64,11 @@ extra() {
   esac
 }
 
-mkdir -p "$RESULTS"
-cd "$RESULTS"
+# a dry run creates no results folder
+if [ -z "${DRY_RUN:-}" ]; then
+  mkdir -p "$RESULTS"
+  cd "$RESULTS"
+fi
 for script in $SCRIPTS; do
   variants "$script" | while IFS='|' read -r file flags; do
     for seed in $SEEDS; do
@@ -59,3 +82,6 @@ for script in $SCRIPTS; do
   done
 done
 [ -n "${DRY_RUN:-}" ] || echo "summaries under $RESULTS/runs"
+# the table and the plots (report.md, sps.png, returns.png), into the results folder
+echo "python $here/benchmarks/report.py $RESULTS"
+[ -n "${DRY_RUN:-}" ] || python "$here/benchmarks/report.py" "$RESULTS"

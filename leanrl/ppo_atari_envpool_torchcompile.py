@@ -15,6 +15,7 @@ policy that shares the learner's weights. Needs requirements/requirements-atari.
     python leanrl/ppo_atari_envpool_torchcompile.py --compile --cudagraphs
 """
 
+import csv
 import difflib
 import json
 import math
@@ -378,6 +379,13 @@ def main(args: Args) -> dict:
         gae = CudaGraphModule(gae)
         update = CudaGraphModule(update)
 
+    # CURVE: every logged point also goes to runs/<run_name>/metrics.csv (line-buffered, an empty
+    # cell where there is no value yet), so that curves can be plotted without wandb
+    os.makedirs(f"runs/{run_name}", exist_ok=True)
+    metrics_file = open(f"runs/{run_name}/metrics.csv", "w", newline="", buffering=1)
+    metrics = csv.DictWriter(metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps", "learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance"], lineterminator="\n")
+    metrics.writeheader()
+
     # TRAINING LOOP
     games = GameStatistics(args.num_envs)
     returns_window = deque(maxlen=10)  # the whole-game scores of the last 10 finished games
@@ -470,9 +478,11 @@ def main(args: Args) -> dict:
         sps = (global_step - steady_step) / (time.perf_counter() - steady_start) if steady_start is not None else None
         logs = {"episodic_return": float(np.mean(returns_window)) if returns_window else None, "sps": sps, **losses}
         pbar.set_postfix({k: f"{logs[k]:.4g}" for k in ("episodic_return", "sps", "value_loss") if logs[k] is not None}, refresh=False)
+        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
         if wandb is not None:
             wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
     pbar.close()
+    metrics_file.close()
     envs.close()
 
     # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json

@@ -9,6 +9,7 @@ sac_continuous_action_torchcompile.py; `diff` the two files to see what compilin
 """
 
 import copy
+import csv
 import difflib
 import json
 import math
@@ -324,6 +325,13 @@ def main(args: Args) -> dict:
         fail(f"no room for a replay buffer of {args.buffer_size * sum(fields) * 4 / 2**30:.1f} GiB on {device}: lower --buffer-size")
     rb_pos, rb_size = 0, 0
 
+    # CURVE: every logged point also goes to runs/<run_name>/metrics.csv (line-buffered, an empty
+    # cell where there is no value yet), so that curves can be plotted without wandb
+    os.makedirs(f"runs/{run_name}", exist_ok=True)
+    metrics_file = open(f"runs/{run_name}/metrics.csv", "w", newline="", buffering=1)
+    metrics = csv.DictWriter(metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps", "qf_loss", "actor_loss", "alpha"], lineterminator="\n")
+    metrics.writeheader()
+
     # TRAINING LOOP
     returns = deque(maxlen=10)  # the last 10 finished episodes
     episodes, global_step = 0, 0
@@ -383,9 +391,11 @@ def main(args: Args) -> dict:
             if actor_loss is not None:
                 logs.update(qf_loss=qf_loss.item(), actor_loss=actor_loss.item(), alpha=alpha.item())
             pbar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
+            metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
             if wandb is not None:
                 wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
     pbar.close()
+    metrics_file.close()
     envs.close()
 
     # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json

@@ -1,5 +1,7 @@
+import csv
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,7 +43,27 @@ def summary_of(proc, cwd):
     summary = json.loads(lines[-1], parse_constant=reject_non_json)
     with open(Path(cwd) / "runs" / summary["run_name"] / "summary.json") as f:
         assert json.load(f) == summary
+    check_metrics_csv(Path(cwd) / "runs" / summary["run_name"] / "metrics.csv", summary)
     return summary
+
+
+def check_metrics_csv(path, summary):
+    """The run's curve: a header row, then one row per logged point with increasing global steps, the
+    last at the end of the run and with the summary's last losses (a diverged loss, null in the
+    summary, is nan or inf in the file)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows, f"{path} has no rows"
+    assert list(rows[0])[:4] == ["global_step", "wall_seconds", "episodic_return", "sps"]
+    steps = [int(row["global_step"]) for row in rows]
+    assert steps == sorted(set(steps)) and steps[-1] == summary["global_step"], steps
+    if summary["episodic_return"] is not None:
+        assert float(rows[-1]["episodic_return"]) == summary["episodic_return"]
+    for key, value in summary["losses"].items():
+        if value is None:
+            assert not math.isfinite(float(rows[-1][key])), (key, rows[-1][key])
+        else:
+            assert float(rows[-1][key]) == value, (key, rows[-1][key], value)
 
 
 def assert_rejected(script, flags, message, capsys):

@@ -29,10 +29,13 @@ def test_run_sh_covers_every_script_and_names_existing_files():
         capture_output=True, text=True, check=True,
     ).stdout
     commands = [line for line in out.splitlines() if line.startswith("python ")]
-    named = {os.path.basename(c.split()[1])[: -len(".py")] for c in commands}
-    assert named == set(SCRIPTS)
     for c in commands:
         assert os.path.exists(c.split()[1]), c
+    # the report on the results folder comes last, after every script's runs
+    assert os.path.samefile(commands[-1].split()[1], ROOT / "benchmarks" / "report.py"), commands[-1]
+    commands = commands[:-1]
+    named = {os.path.basename(c.split()[1])[: -len(".py")] for c in commands}
+    assert named == set(SCRIPTS)
     for twin in (s for s in SCRIPTS if s.endswith("_torchcompile")):  # each twin in its four variants
         # the flags after "--total-timesteps N"
         flags = {" ".join(c.split("--total-timesteps ")[1].split()[1:]) for c in commands if f"/{twin}.py" in c}
