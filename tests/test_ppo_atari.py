@@ -150,6 +150,34 @@ def test_sampling_follows_the_policy():
     torch.testing.assert_close(freq, probs, atol=4 * (0.25 / 40_000) ** 0.5, rtol=0)  # within 4 standard errors
 
 
+def test_compiled_policy_samples_the_policy():
+    """The twin's acting policy compiled as main() compiles it on a CPU: inductor draws its own random
+    numbers, so its actions are compared in distribution (each env's action frequencies against the
+    softmax, within 4.5 standard errors) and the log-probs, entropies and values it returns against
+    eager's for the same actions."""
+    twin = load_script(PPO_TWIN)
+    torch.manual_seed(0)
+    agent = twin.Agent(4).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        agent.actor.weight.mul_(300)  # a policy far from uniform, different in each env
+    obs = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    policy = torch.compile(agent.get_action_and_value, options={"cpp_wrapper": True})
+    n = 2000
+    counts = torch.zeros(8, 4)
+    with torch.no_grad():
+        probs = agent.actor(agent.network(obs / 255.0)).softmax(-1)
+        assert probs.max() < 0.95 and (probs.max(-1).values > 0.35).all()  # far from uniform (0.25)
+        for _ in range(n):
+            action, log_prob, entropy, value = policy(obs)
+            counts[torch.arange(8), action] += 1
+        _, want_log_prob, want_entropy, want_value = agent.get_action_and_value(obs, action)
+    torch.testing.assert_close(log_prob, want_log_prob, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(value, want_value, rtol=1e-4, atol=1e-5)
+    standard_error = (probs * (1 - probs) / n).sqrt()
+    assert ((counts / n - probs).abs() <= 4.5 * standard_error + 1e-3).all(), (counts / n, probs)
+
+
 def wrap(fn, mode):
     """A twin's function as main() wraps it for --compile [--cudagraphs]."""
     if mode == "twin":
