@@ -13,11 +13,13 @@ see what compiling takes. Needs requirements/requirements-atari.txt.
 """
 
 import csv
+import dataclasses
 import difflib
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -47,6 +49,17 @@ class Args:
     """the wandb's project name"""
     wandb_entity: Optional[str] = None
     """the entity (team) of wandb's project"""
+    save_model: bool = False
+    """whether to save a checkpoint (weights, optimiser state, RNG states, step, args) to runs/{run_name}/checkpoint.pt at the end"""
+    checkpoint_every: int = 0
+    """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
+    resume: Optional[str] = None
+    """a checkpoint.pt to continue from to its own --total-timesteps (env, seed, budget and hyper-parameters come from the checkpoint);
+    its envs start new games, and the scores of the games in progress when it was saved are not counted"""
+    eval_episodes: Optional[int] = None
+    """episodes to evaluate the final policy deterministically (mean action / argmax) after training; default 10 with --save-model, else 0.
+    Here: argmax actions, one whole game (all its lives, raw score) in each of --eval-episodes envs in parallel.
+    A policy that never presses FIRE (Breakout after a lost life) plays on until the 27,000-step limit"""
 
     # Algorithm specific arguments
     env_id: str = "Breakout-v5"
@@ -90,10 +103,66 @@ class Args:
     and GAE's CUDA graph, called once an iteration, is captured in the second"""
 
 
+# what a resumed run takes from its command line; the rest (env, seed, budget, hyper-parameters) comes from the checkpoint
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model", "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+
+
 def fail(message: str):
     """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def save_checkpoint(path, checkpoint):
+    """Writes to a temporary file beside `path`, then renames it over `path`: the rename is atomic, so
+    a kill mid-write leaves the previous checkpoint whole."""
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path):
+    """Reads a checkpoint that this script wrote; anything else ends in a one-line error. weights_only:
+    tensors, numbers and strings only, so loading runs no code from the file."""
+    script = os.path.basename(__file__)
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated by a kill, or not a torch file
+        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
+    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if writer != script:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
+    return checkpoint
+
+
+def resume_args(args, checkpoint):
+    """The checkpoint's run arguments, with this command line's session flags."""
+    saved = checkpoint["args"]
+    for name, value in vars(args).items():
+        if name not in SESSION_FLAGS and name in saved and value != saved[name] and value != getattr(Args, name, None):
+            print(f"note: --resume continues the checkpoint's run: --{name.replace('_', '-')} stays {saved[name]}", file=sys.stderr)
+    return Args(**{name: value if name in SESSION_FLAGS or name not in saved else saved[name] for name, value in vars(args).items()})
+
+
+def rng_states():
+    """Python's, numpy's and torch's generators, in types that torch.load(weights_only=True) reads."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": (torch.from_numpy(np_state["state"]["key"].astype(np.int64)), np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    key, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def atari_games():
@@ -134,6 +203,12 @@ def check_args(args: Args):
         fail(f"--target-kl must be a positive number, got {args.target_kl}")
     if args.measure_burnin < 0:
         fail(f"--measure-burnin must be >= 0, got {args.measure_burnin}")
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every > 0 and not args.save_model:
+        fail("--checkpoint-every needs --save-model")
+    if args.eval_episodes is not None and args.eval_episodes < 0:
+        fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
     try:
         import envpool  # noqa: F401
     except ImportError:
@@ -237,12 +312,23 @@ def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda
 
 def make_update(args, agent):
     """Builds the minibatch update, a function over tensors on the device with no host
-    synchronisation, and a setter for the learning rate; returns (update, set_learning_rate)."""
+    synchronisation, a setter for the learning rate, and a getter and an in-place setter of the
+    optimiser's state for checkpoints; returns (update, set_learning_rate, optimizer_state, load_optimizer_state)."""
     # fused: one kernel per parameter for Adam's update instead of a loop of small ones
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
 
     def set_learning_rate(lr):
         optimizer.param_groups[0]["lr"] = lr
+
+    def optimizer_state():
+        return optimizer.state_dict()
+
+    def load_optimizer_state(state):
+        optimizer.load_state_dict(state)
+        # Adam's moments in their weights' memory format: fused Adam pairs elements in memory order, and a
+        # checkpoint from another device has that device's layout (channels-last on a CPU only)
+        for p in agent.parameters():
+            optimizer.state[p].update({k: torch.empty_like(p).copy_(v) for k, v in optimizer.state[p].items() if v.shape == p.shape})
 
     def loss_fn(obs, actions, logprobs, advantages, returns, values):
         _, newlogprob, entropy, newvalue = agent.get_action_and_value(obs, actions)
@@ -284,15 +370,47 @@ def make_update(args, agent):
         optimizer.step()
         return stats
 
-    return update, set_learning_rate
+    return update, set_learning_rate, optimizer_state, load_optimizer_state
+
+
+def evaluate(args, state_dict, n_act, device, memory_format):
+    """The mean raw score of --eval-episodes whole games played by a fresh copy of the policy with
+    argmax actions: one game in each of --eval-episodes envs stepped together, with every life and
+    unclipped rewards (episodic_life=False, reward_clip=False), seeded apart from training. Each env's
+    first game counts; the envs that finish early wait for the others. A policy that never presses
+    FIRE (Breakout after a lost life) plays on until the 27,000-step limit."""
+    import envpool
+
+    envs = envpool.make(args.env_id, env_type="gymnasium", num_envs=args.eval_episodes, episodic_life=False, reward_clip=False, seed=(args.seed + 100_000) % 2**31)
+    agent = Agent(n_act, device=device).to(memory_format=memory_format)
+    agent.load_state_dict(state_dict)
+    scores = np.full(args.eval_episodes, np.nan)  # each env's first game, nan while it plays
+    returns = np.zeros(args.eval_episodes)
+    obs, _ = envs.reset()
+    while np.isnan(scores).any():
+        with torch.no_grad():
+            x = torch.as_tensor(obs, device=device).contiguous(memory_format=memory_format)
+            action = agent.actor(agent.network(x / 255.0)).argmax(-1)
+        obs, reward, terminations, truncations, _ = envs.step(action.cpu().numpy())
+        returns += reward
+        first_end = (terminations | truncations) & np.isnan(scores)
+        scores[first_end] = returns[first_end]
+    envs.close()
+    return float(scores.mean())
 
 
 def main(args: Args) -> dict:
+    checkpoint = load_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        args = resume_args(args, checkpoint)
     check_args(args)
+    if args.eval_episodes is None:
+        args.eval_episodes = 10 if args.save_model else 0
     batch_size = args.num_envs * args.num_steps
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    checkpoint_path = f"runs/{run_name}/checkpoint.pt"
 
     # SEEDING AND DEVICE
     random.seed(args.seed)
@@ -309,8 +427,10 @@ def main(args: Args) -> dict:
 
         wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
 
-    # ENVIRONMENTS: envpool resets a finished env on its next step (which ignores the action)
-    envs = make_envs(args.env_id, args.num_envs, args.seed)
+    # ENVIRONMENTS: envpool resets a finished env on its next step (which ignores the action). Its seed
+    # is fixed at creation: a resumed run seeds new games with the step it resumes from (an int32)
+    global_step = checkpoint["global_step"] if checkpoint is not None else 0
+    envs = make_envs(args.env_id, args.num_envs, (args.seed + global_step) % 2**31)
     obs_shape = envs.single_observation_space.shape  # (4, 84, 84), uint8
     n_act = envs.single_action_space.n
 
@@ -319,7 +439,31 @@ def main(args: Args) -> dict:
     # splitting the rollout keep it
     memory_format = torch.channels_last if device.type == "cpu" else torch.contiguous_format
     agent = Agent(n_act, device=device).to(memory_format=memory_format)
-    update, set_learning_rate = make_update(args, agent)
+    update, set_learning_rate, optimizer_state, load_optimizer_state = make_update(args, agent)
+
+    # RESUME: in place (load_state_dict copies into the existing tensors, which keep their memory
+    # format), so the update holds the restored weights and state. The scores of the games that were in
+    # progress are not saved: the resumed run starts new games
+    episodes, returns_window = 0, deque(maxlen=10)  # the whole-game scores of the last 10 finished games
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["model"]["agent"])
+        load_optimizer_state(checkpoint["optimizer"]["optimizer"])
+        episodes = checkpoint["episodes"]
+        returns_window.extend(checkpoint["returns"])
+        set_rng_states(checkpoint["rng"])
+
+    def save():
+        """The checkpoint, from the uncompiled module (its state_dict's names carry no compile wrapper's prefix)."""
+        save_checkpoint(checkpoint_path, {
+            "script": os.path.basename(__file__),
+            "args": dataclasses.asdict(args),
+            "global_step": global_step,
+            "episodes": episodes,
+            "returns": list(returns_window),
+            "rng": rng_states(),
+            "model": {"agent": agent.state_dict()},
+            "optimizer": {"optimizer": optimizer_state()},
+        })
 
     # CURVE: every logged point also goes to runs/<run_name>/metrics.csv (line-buffered, an empty
     # cell where there is no value yet), so that curves can be plotted without wandb
@@ -330,8 +474,8 @@ def main(args: Args) -> dict:
 
     # TRAINING LOOP
     games = GameStatistics(args.num_envs)
-    returns_window = deque(maxlen=10)  # the whole-game scores of the last 10 finished games
-    episodes, global_step, gradient_steps = 0, 0, 0
+    start_iteration = global_step // batch_size  # a resumed run's annealing goes on from there
+    gradient_steps, last_saved, saved, diverged = 0, global_step, False, False
     losses = {}
     start_time = time.perf_counter()
     steady_start, steady_step = None, 0
@@ -339,9 +483,20 @@ def main(args: Args) -> dict:
     # frames travel as uint8, a quarter of float32's bytes: one copy to the device per step
     next_obs = torch.as_tensor(next_obs, device=device).contiguous(memory_format=memory_format)
     next_done = np.zeros(args.num_envs, dtype=bool)
-    pbar = tqdm.tqdm(range(num_iterations), file=sys.stderr, mininterval=1.0)
+
+    # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
+    # (with --save-model) and summarises; a second signal stops at once
+    stop_signal = None
+
+    def request_stop(signum, frame):
+        nonlocal stop_signal
+        stop_signal = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    pbar = tqdm.tqdm(range(start_iteration, num_iterations), file=sys.stderr, mininterval=1.0)
     for iteration in pbar:
-        if iteration == args.measure_burnin:
+        if iteration == start_iteration + args.measure_burnin:
             steady_start, steady_step = time.perf_counter(), global_step
         # linearly from --learning-rate down to (almost) 0 with --anneal-lr
         lrnow = (1.0 - iteration / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
@@ -423,12 +578,37 @@ def main(args: Args) -> dict:
         metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
         if wandb is not None:
             wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
+        # a non-finite loss ends the run: the weights are lost, and a checkpoint of them would overwrite a good one
+        nonfinite = [k for k in ("value_loss", "policy_loss", "entropy") if not math.isfinite(losses[k])]
+        if nonfinite:
+            diverged = True
+            break
+        if args.save_model and args.checkpoint_every and global_step // args.checkpoint_every > last_saved // args.checkpoint_every:
+            save()
+            last_saved, saved = global_step, True
+        if stop_signal is not None:
+            break
+    for s, h in previous_handlers.items():
+        signal.signal(s, h)
     pbar.close()
+    if start_iteration >= num_iterations:  # a finished run resumed: its curve still ends at its last step
+        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), "episodic_return": float(np.mean(returns_window)) if returns_window else None})
+    if diverged:  # after the progress bar, so that the message has its own line
+        where = f"the last checkpoint, {checkpoint_path}, is intact" if saved else "no checkpoint was saved"
+        print(f"error: {nonfinite[0]} is {losses[nonfinite[0]]} at global step {global_step}: the run diverged; {where}", file=sys.stderr)
     metrics_file.close()
     envs.close()
+    end_time = time.perf_counter()
+    if args.save_model and not diverged:
+        save()
+        saved = True
+
+    # EVALUATION: after training, of the final weights (also after an interrupt, not after divergence)
+    eval_return = None
+    if args.eval_episodes > 0 and not diverged:
+        eval_return = evaluate(args, agent.state_dict(), n_act, device, memory_format)
 
     # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
-    end_time = time.perf_counter()
     steady = steady_start is not None and global_step > steady_step
     summary = {
         "script": os.path.basename(__file__),
@@ -449,6 +629,13 @@ def main(args: Args) -> dict:
         # a diverged (non-finite) loss is null: NaN is not JSON
         "losses": {k: v if math.isfinite(v) else None for k, v in losses.items()},
         "run_name": run_name,
+        "checkpoint": checkpoint_path if saved else None,
+        "eval_return": eval_return,
+        "eval_episodes": args.eval_episodes,
+        "interrupted": stop_signal is not None,
+        "diverged": diverged,
+        "resumed_from": args.resume,
+        "exit_code": 1 if diverged else 128 + stop_signal if stop_signal is not None else 0,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)
     with open(f"runs/{run_name}/summary.json", "w") as f:
@@ -461,4 +648,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(main(tyro.cli(Args))["exit_code"])

@@ -11,11 +11,13 @@ to see what compiling takes.
 """
 
 import csv
+import dataclasses
 import difflib
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -48,6 +50,16 @@ class Args:
     """the entity (team) of wandb's project"""
     capture_video: bool = False
     """whether to capture videos of the agent performances (check out `videos` folder; needs moviepy)"""
+    save_model: bool = False
+    """whether to save a checkpoint (weights, optimiser state, RNG states, step, args) to runs/{run_name}/checkpoint.pt at the end"""
+    checkpoint_every: int = 0
+    """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
+    resume: Optional[str] = None
+    """a checkpoint.pt to continue from to its own --total-timesteps (env, seed, budget and hyper-parameters come from the checkpoint);
+    the observation and reward normalisation statistics go on from the checkpoint's, and its envs start new episodes"""
+    eval_episodes: Optional[int] = None
+    """episodes to evaluate the final policy deterministically (mean action / argmax) after training; default 10 with --save-model, else 0.
+    Here: the Gaussian's mean, observations normalised with training env 0's statistics (frozen), raw returns"""
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v5"
@@ -91,10 +103,66 @@ class Args:
     and GAE's CUDA graph, called once an iteration, is captured in the second"""
 
 
+# what a resumed run takes from its command line; the rest (env, seed, budget, hyper-parameters) comes from the checkpoint
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model", "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+
+
 def fail(message: str):
     """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def save_checkpoint(path, checkpoint):
+    """Writes to a temporary file beside `path`, then renames it over `path`: the rename is atomic, so
+    a kill mid-write leaves the previous checkpoint whole."""
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path):
+    """Reads a checkpoint that this script wrote; anything else ends in a one-line error. weights_only:
+    tensors, numbers and strings only, so loading runs no code from the file."""
+    script = os.path.basename(__file__)
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated by a kill, or not a torch file
+        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
+    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if writer != script:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
+    return checkpoint
+
+
+def resume_args(args, checkpoint):
+    """The checkpoint's run arguments, with this command line's session flags."""
+    saved = checkpoint["args"]
+    for name, value in vars(args).items():
+        if name not in SESSION_FLAGS and name in saved and value != saved[name] and value != getattr(Args, name, None):
+            print(f"note: --resume continues the checkpoint's run: --{name.replace('_', '-')} stays {saved[name]}", file=sys.stderr)
+    return Args(**{name: value if name in SESSION_FLAGS or name not in saved else saved[name] for name, value in vars(args).items()})
+
+
+def rng_states():
+    """Python's, numpy's and torch's generators, in types that torch.load(weights_only=True) reads."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": (torch.from_numpy(np_state["state"]["key"].astype(np.int64)), np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    key, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def check_args(args: Args):
@@ -128,7 +196,20 @@ def check_args(args: Args):
         fail(f"--target-kl must be a positive number, got {args.target_kl}")
     if args.measure_burnin < 0:
         fail(f"--measure-burnin must be >= 0, got {args.measure_burnin}")
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every > 0 and not args.save_model:
+        fail("--checkpoint-every needs --save-model")
+    if args.eval_episodes is not None and args.eval_episodes < 0:
+        fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
     if args.capture_video:
+        try:  # checked before any work, not found out when the first video is written
+            os.makedirs("videos", exist_ok=True)
+            writable = os.access("videos", os.W_OK)
+        except OSError:  # e.g. a file named videos
+            writable = False
+        if not writable:
+            fail("--capture-video writes to videos/, which cannot be written here: run from a writable folder")
         try:
             import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
         except ImportError:
@@ -172,6 +253,36 @@ def make_env(env_id, idx, capture_video, run_name, gamma):
         return env
 
     return thunk
+
+
+def normalizers(env):
+    """The NormalizeObservation and NormalizeReward wrappers inside one env of the vector env, found
+    by walking its chain of wrappers."""
+    wrappers = {}
+    while isinstance(env, gym.Wrapper):
+        wrappers[type(env)] = env
+        env = env.env
+    return wrappers[gym.wrappers.NormalizeObservation], wrappers[gym.wrappers.NormalizeReward]
+
+
+def normalization_stats(envs):
+    """Each env's running statistics as float64 tensors, for the checkpoint: "obs_rms" holds (mean,
+    var, count) of its observations, "return_rms" (mean, var, count, discounted_reward) of its
+    discounted rewards, one entry per env."""
+    stats = {"obs_rms": [], "return_rms": []}
+    for env in envs.envs:
+        obs_norm, reward_norm = normalizers(env)
+        for key, rms, extra in (("obs_rms", obs_norm.obs_rms, ()), ("return_rms", reward_norm.return_rms, (reward_norm.discounted_reward,))):
+            stats[key].append([torch.tensor(np.asarray(x, dtype=np.float64)) for x in (rms.mean, rms.var, rms.count, *extra)])
+    return stats
+
+
+def set_normalization_stats(envs, stats):
+    for env, (mean, var, count), (r_mean, r_var, r_count, discounted_reward) in zip(envs.envs, stats["obs_rms"], stats["return_rms"]):
+        obs_norm, reward_norm = normalizers(env)
+        obs_norm.obs_rms.mean, obs_norm.obs_rms.var, obs_norm.obs_rms.count = mean.numpy(), var.numpy(), count.item()
+        reward_norm.return_rms.mean, reward_norm.return_rms.var, reward_norm.return_rms.count = r_mean.numpy(), r_var.numpy(), r_count.item()
+        reward_norm.discounted_reward = discounted_reward.numpy()
 
 
 def finished_episodes(infos):
@@ -260,7 +371,8 @@ def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda
 
 def make_update(args, agent):
     """Builds the minibatch update, a function over tensors on the device with no host
-    synchronisation, and a setter for the learning rate; returns (update, set_learning_rate)."""
+    synchronisation, a setter for the learning rate, and a getter and an in-place setter of the
+    optimiser's state for checkpoints; returns (update, set_learning_rate, optimizer_state, load_optimizer_state)."""
     # fused: one kernel per parameter for Adam's update instead of a loop of small ones
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5, fused=True)
 
@@ -307,15 +419,46 @@ def make_update(args, agent):
         optimizer.step()
         return stats
 
-    return update, set_learning_rate
+    return update, set_learning_rate, optimizer.state_dict, optimizer.load_state_dict
+
+
+def evaluate(args, state_dict, obs_rms, device):
+    """The mean raw return of --eval-episodes episodes of a fresh copy of the policy acting with the
+    Gaussian's mean (clipped to the action bounds by ClipAction), in a fresh env seeded apart from
+    training. Observations are normalised and clipped as in training, with training env 0's
+    statistics frozen: obs_rms is its (mean, var, count)."""
+    env = gym.wrappers.ClipAction(gym.wrappers.FlattenObservation(gym.make(args.env_id)))
+    agent = Agent(math.prod(env.observation_space.shape), math.prod(env.action_space.shape), device=device)
+    agent.load_state_dict(state_dict)
+    mean, var, _ = (x.numpy() for x in obs_rms)
+    returns = []
+    for i in range(args.eval_episodes):
+        obs, _ = env.reset(seed=args.seed + 100_000 + i)
+        episodic_return, done = 0.0, False
+        while not done:
+            obs = np.float32((obs - mean) / np.sqrt(var + 1e-8)).clip(-10, 10)  # NormalizeObservation's epsilon
+            with torch.no_grad():
+                action = agent.actor_mean(torch.as_tensor(obs, device=device)[None])[0]
+            obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
+            episodic_return += float(reward)
+            done = terminated or truncated
+        returns.append(episodic_return)
+    env.close()
+    return float(np.mean(returns))
 
 
 def main(args: Args) -> dict:
+    checkpoint = load_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        args = resume_args(args, checkpoint)
     check_args(args)
+    if args.eval_episodes is None:
+        args.eval_episodes = 10 if args.save_model else 0
     batch_size = args.num_envs * args.num_steps
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    checkpoint_path = f"runs/{run_name}/checkpoint.pt"
 
     # SEEDING AND DEVICE
     random.seed(args.seed)
@@ -343,11 +486,37 @@ def main(args: Args) -> dict:
 
     # AGENT
     agent = Agent(n_obs, n_act, device=device)
-    update, set_learning_rate = make_update(args, agent)
+    update, set_learning_rate, optimizer_state, load_optimizer_state = make_update(args, agent)
 
     def get_value(obs):  # the critic on numpy observations, for the truncation bootstrap
         with torch.no_grad():
             return agent.get_value(torch.as_tensor(obs, dtype=torch.float32, device=device)).view(-1).cpu().numpy()
+
+    # RESUME: in place (load_state_dict and copy_ write into the existing tensors), before anything
+    # compiles, so that the update and the acting policy hold the restored weights and state
+    returns_window = deque(maxlen=10)  # the last 10 finished episodes
+    episodes, global_step = 0, 0
+    if checkpoint is not None:
+        agent.load_state_dict(checkpoint["model"]["agent"])
+        load_optimizer_state(checkpoint["optimizer"]["optimizer"])
+        set_normalization_stats(envs, checkpoint)
+        global_step, episodes = checkpoint["global_step"], checkpoint["episodes"]
+        returns_window.extend(checkpoint["returns"])
+        set_rng_states(checkpoint["rng"])
+
+    def save():
+        """Writes the checkpoint, taken from the uncompiled agent (compiled code holds no state of its own)."""
+        save_checkpoint(checkpoint_path, {
+            "script": os.path.basename(__file__),
+            "args": dataclasses.asdict(args),
+            "global_step": global_step,
+            "episodes": episodes,
+            "returns": list(returns_window),
+            "rng": rng_states(),
+            "model": {"agent": agent.state_dict()},
+            "optimizer": {"optimizer": optimizer_state()},
+            **normalization_stats(envs),  # "obs_rms" and "return_rms"
+        })
 
     # CURVE: every logged point also goes to runs/<run_name>/metrics.csv (line-buffered, an empty
     # cell where there is no value yet), so that curves can be plotted without wandb
@@ -357,17 +526,30 @@ def main(args: Args) -> dict:
     metrics.writeheader()
 
     # TRAINING LOOP
-    returns_window = deque(maxlen=10)  # the last 10 finished episodes
-    episodes, global_step, gradient_steps = 0, 0, 0
+    start_iteration = global_step // batch_size  # a resumed run's annealing goes on from there
+    gradient_steps, last_saved, saved, diverged = 0, global_step, False, False
     losses = {}
     start_time = time.perf_counter()
     steady_start, steady_step = None, 0
-    next_obs, _ = envs.reset(seed=args.seed)
+    next_obs, _ = envs.reset(seed=args.seed + global_step)  # a resumed run starts new episodes
+    if checkpoint is not None:  # the reset counted its observations in the statistics: put back the checkpoint's
+        set_normalization_stats(envs, checkpoint)
     next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
     next_done = np.zeros(args.num_envs, dtype=bool)
-    pbar = tqdm.tqdm(range(num_iterations), file=sys.stderr, mininterval=1.0)
+
+    # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
+    # (with --save-model) and summarises; a second signal stops at once
+    stop_signal = None
+
+    def request_stop(signum, frame):
+        nonlocal stop_signal
+        stop_signal = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    pbar = tqdm.tqdm(range(start_iteration, num_iterations), file=sys.stderr, mininterval=1.0)
     for iteration in pbar:
-        if iteration == args.measure_burnin:
+        if iteration == start_iteration + args.measure_burnin:
             steady_start, steady_step = time.perf_counter(), global_step
         # linearly from --learning-rate down to (almost) 0 with --anneal-lr
         lrnow = (1.0 - iteration / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
@@ -448,12 +630,37 @@ def main(args: Args) -> dict:
         metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
         if wandb is not None:
             wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
+        # a non-finite loss ends the run: the weights are lost, and a checkpoint of them would overwrite a good one
+        nonfinite = [k for k in ("value_loss", "policy_loss", "entropy") if not math.isfinite(losses[k])]
+        if nonfinite:
+            pbar.close()  # ends the progress bar's line, so that the error has a line of its own
+            where = f"the last checkpoint, {checkpoint_path}, is intact" if saved else "no checkpoint was saved"
+            print(f"error: {nonfinite[0]} is {losses[nonfinite[0]]} at global step {global_step}: the run diverged; {where}", file=sys.stderr)
+            diverged = True
+            break
+        if args.save_model and args.checkpoint_every and global_step // args.checkpoint_every > last_saved // args.checkpoint_every:
+            save()
+            last_saved, saved = global_step, True
+        if stop_signal is not None:
+            break
+    for s, h in previous_handlers.items():
+        signal.signal(s, h)
     pbar.close()
+    if start_iteration >= num_iterations:  # a finished run resumed: its curve still ends at its last step
+        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), "episodic_return": float(np.mean(returns_window)) if returns_window else None})
     metrics_file.close()
+    end_time = time.perf_counter()
+    if args.save_model and not diverged:
+        save()
+        saved = True
+
+    # EVALUATION: after training, of the final weights (also after an interrupt, not after divergence)
+    eval_return = None
+    if args.eval_episodes > 0 and not diverged:
+        eval_return = evaluate(args, agent.state_dict(), normalization_stats(envs)["obs_rms"][0], device)
     envs.close()
 
     # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
-    end_time = time.perf_counter()
     steady = steady_start is not None and global_step > steady_step
     summary = {
         "script": os.path.basename(__file__),
@@ -474,6 +681,13 @@ def main(args: Args) -> dict:
         # a diverged (non-finite) loss is null: NaN is not JSON
         "losses": {k: v if math.isfinite(v) else None for k, v in losses.items()},
         "run_name": run_name,
+        "checkpoint": checkpoint_path if saved else None,
+        "eval_return": eval_return,
+        "eval_episodes": args.eval_episodes,
+        "interrupted": stop_signal is not None,
+        "diverged": diverged,
+        "resumed_from": args.resume,
+        "exit_code": 1 if diverged else 128 + stop_signal if stop_signal is not None else 0,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)
     with open(f"runs/{run_name}/summary.json", "w") as f:
@@ -486,4 +700,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(main(tyro.cli(Args))["exit_code"])

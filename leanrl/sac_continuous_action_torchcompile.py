@@ -11,11 +11,13 @@ CudaGraphModule), and an acting copy of the policy that shares the learner's wei
 """
 
 import csv
+import dataclasses
 import difflib
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -51,6 +53,14 @@ class Args:
     """the entity (team) of wandb's project"""
     capture_video: bool = False
     """whether to capture videos of the agent performances (check out `videos` folder; needs moviepy)"""
+    save_model: bool = False
+    """whether to save a checkpoint (weights, optimiser state, RNG states, step, args) to runs/{run_name}/checkpoint.pt at the end"""
+    checkpoint_every: int = 0
+    """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
+    resume: Optional[str] = None
+    """a checkpoint.pt to continue from to its own --total-timesteps (env, seed, budget and hyper-parameters come from the checkpoint); the replay buffer is not saved: after a resume the restored policy refills it for --learning-starts steps (counted in the budget) before updates start again"""
+    eval_episodes: Optional[int] = None
+    """episodes to evaluate the final policy deterministically (mean action / argmax) after training; default 10 with --save-model, else 0"""
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v5"
@@ -93,10 +103,66 @@ class Args:
     """iterations between two reads of the losses (each read synchronises host and device)"""
 
 
+# what a resumed run takes from its command line; the rest (env, seed, budget, hyper-parameters) comes from the checkpoint
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model", "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+
+
 def fail(message: str):
     """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def save_checkpoint(path, checkpoint):
+    """Writes to a temporary file beside `path`, then renames it over `path`: the rename is atomic, so
+    a kill mid-write leaves the previous checkpoint whole."""
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path):
+    """Reads a checkpoint that this script wrote; anything else ends in a one-line error. weights_only:
+    tensors, numbers and strings only, so loading runs no code from the file."""
+    script = os.path.basename(__file__)
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated by a kill, or not a torch file
+        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
+    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if writer != script:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
+    return checkpoint
+
+
+def resume_args(args, checkpoint):
+    """The checkpoint's run arguments, with this command line's session flags."""
+    saved = checkpoint["args"]
+    for name, value in vars(args).items():
+        if name not in SESSION_FLAGS and name in saved and value != saved[name] and value != getattr(Args, name, None):
+            print(f"note: --resume continues the checkpoint's run: --{name.replace('_', '-')} stays {saved[name]}", file=sys.stderr)
+    return Args(**{name: value if name in SESSION_FLAGS or name not in saved else saved[name] for name, value in vars(args).items()})
+
+
+def rng_states():
+    """Python's, numpy's and torch's generators, in types that torch.load(weights_only=True) reads."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": (torch.from_numpy(np_state["state"]["key"].astype(np.int64)), np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    key, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def check_args(args: Args):
@@ -125,7 +191,20 @@ def check_args(args: Args):
         fail(f"--alpha must be a non-negative number, got {args.alpha}")
     if args.measure_burnin < 0 or args.log_every <= 0:
         fail("--measure-burnin must be >= 0 and --log-every positive")
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every > 0 and not args.save_model:
+        fail("--checkpoint-every needs --save-model")
+    if args.eval_episodes is not None and args.eval_episodes < 0:
+        fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
     if args.capture_video:
+        try:  # checked before any work, not found out when the first video is written
+            os.makedirs("videos", exist_ok=True)
+            writable = os.access("videos", os.W_OK)
+        except OSError:  # e.g. a file named videos
+            writable = False
+        if not writable:
+            fail("--capture-video writes to videos/, which cannot be written here: run from a writable folder")
         try:
             import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
         except ImportError:
@@ -296,8 +375,33 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
     return (q_optimizer, actor_optimizer, a_optimizer), (update_critic, update_actor, update_targets)
 
 
+def evaluate(args, actor_state, device):
+    """Mean return of --eval-episodes episodes of the deterministic policy (the squashed mean), played
+    by a fresh copy of the actor in a fresh env seeded seed + 100_000 + i, so evaluation is reproducible."""
+    env = gym.make(args.env_id)
+    actor = Actor(math.prod(env.observation_space.shape), env.action_space, device=device)
+    actor.load_state_dict(actor_state)
+    total = 0.0
+    for i in range(args.eval_episodes):
+        obs, _ = env.reset(seed=args.seed + 100_000 + i)
+        done = False
+        while not done:
+            with torch.no_grad():
+                _, _, action = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device)[None])
+            obs, reward, terminated, truncated, _ = env.step(action[0].cpu().numpy())
+            total += float(reward)
+            done = terminated or truncated
+    env.close()
+    return total / args.eval_episodes
+
+
 def main(args: Args) -> dict:
+    checkpoint = load_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        args = resume_args(args, checkpoint)
     check_args(args)
+    if args.eval_episodes is None:
+        args.eval_episodes = 10 if args.save_model else 0
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
 
     # SEEDING AND DEVICE
@@ -342,6 +446,38 @@ def main(args: Args) -> dict:
     optimizers, (update_critic, update_actor, update_targets) = make_updates(
         args, actor, qnet, qnet_params, qnet_target, log_alpha, target_entropy
     )
+    # the learner's tensors by module (state_dict views, sharing storage): the checkpoint's model
+    learner = {"actor": actor.state_dict(), "qnet_params": qnet_params.state_dict(), "qnet_target": qnet_target.state_dict()}
+    learner["alpha"] = {"log_alpha": log_alpha.detach()}
+
+    # RESUME: in place (copy_ into the views above, the optimisers' own load_state_dict), so the
+    # optimisers and any compiled graph keep the tensors they hold; the RNG states last
+    returns = deque(maxlen=10)  # the last 10 finished episodes
+    episodes, global_step = 0, 0
+    if checkpoint is not None:
+        with torch.no_grad():
+            for name, tensors in learner.items():
+                for key, tensor in tensors.items():
+                    tensor.copy_(checkpoint["model"][name][key])
+        for name, optimizer in zip(("q", "actor", "alpha"), optimizers):
+            if optimizer is not None:
+                optimizer.load_state_dict(checkpoint["optimizer"][name])
+        episodes, global_step = checkpoint["episodes"], checkpoint["global_step"]
+        returns.extend(checkpoint["returns"])
+        set_rng_states(checkpoint["rng"])
+
+    def make_checkpoint():
+        return {
+            "script": os.path.basename(__file__),
+            "args": dataclasses.asdict(args),
+            "global_step": global_step,
+            "episodes": episodes,
+            "returns": list(returns),
+            "rng": rng_states(),
+            "model": learner,
+            "optimizer": {name: optimizer.state_dict() for name, optimizer in zip(("q", "actor", "alpha"), optimizers) if optimizer is not None},
+        }
+
     # the acting policy: a copy that shares the learner's weights, detached from autograd
     actor_detach = Actor(n_obs, envs.single_action_space, device="meta")
     from_module(actor).data.to_module(actor_detach)
@@ -374,17 +510,29 @@ def main(args: Args) -> dict:
     metrics = csv.DictWriter(metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps", "qf_loss", "actor_loss", "alpha"], lineterminator="\n")
     metrics.writeheader()
 
-    # TRAINING LOOP
-    returns = deque(maxlen=10)  # the last 10 finished episodes
-    episodes, global_step = 0, 0
+    # TRAINING LOOP: a resumed run plays fresh episodes (seeded past the first ones) and, as its replay
+    # buffer was not saved, refills it with its restored policy for --learning-starts steps
     num_iterations = args.total_timesteps // args.num_envs
-    first_update = args.learning_starts // args.num_envs  # iterations before the first update
+    start_iteration = global_step // args.num_envs
+    first_update = start_iteration + args.learning_starts // args.num_envs  # iterations before the first update
     steady_from = min(first_update + args.measure_burnin, num_iterations)
     start_time = time.perf_counter()
     burnin_start = steady_start = None
     qf_loss = actor_loss = alpha = None
-    obs, _ = envs.reset(seed=args.seed)
-    pbar = tqdm.tqdm(range(num_iterations), file=sys.stderr, mininterval=1.0)
+    checkpoint_path, last_saved, saved, diverged = f"runs/{run_name}/checkpoint.pt", global_step, False, None
+    obs, _ = envs.reset(seed=args.seed + global_step)
+
+    # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
+    # (with --save-model) and summarises; a second signal stops at once
+    stop_signal = None
+
+    def request_stop(signum, frame):
+        nonlocal stop_signal
+        stop_signal = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    pbar = tqdm.tqdm(range(start_iteration, num_iterations), file=sys.stderr, mininterval=1.0)
     for iteration in pbar:
         if iteration == first_update:
             burnin_start = time.perf_counter()
@@ -392,8 +540,9 @@ def main(args: Args) -> dict:
             steady_start, steady_step = time.perf_counter(), global_step
         global_step += args.num_envs
 
-        # ACT: uniformly random until learning starts, then sampled from the policy
-        if iteration < first_update:
+        # ACT: uniformly random until learning starts (a resumed run's restored policy refills the buffer),
+        # then sampled from the policy
+        if iteration < first_update and checkpoint is None:
             actions = envs.action_space.sample()
         else:
             with torch.no_grad():
@@ -424,21 +573,42 @@ def main(args: Args) -> dict:
             if iteration % args.target_network_frequency == 0:
                 update_targets()
 
-        # LOG: the only place losses reach the host
-        if iteration % args.log_every == 0 or iteration == num_iterations - 1:
+        # LOG: the only place losses reach the host; a periodic checkpoint first checks they are finite
+        checkpoint_due = args.save_model and args.checkpoint_every > 0 and global_step // args.checkpoint_every > last_saved // args.checkpoint_every
+        if iteration % args.log_every == 0 or iteration == num_iterations - 1 or checkpoint_due or stop_signal is not None:
             sps = None
             if steady_start is not None and global_step > steady_step:
                 sps = (global_step - steady_step) / (time.perf_counter() - steady_start)
             logs = {"episodic_return": float(np.mean(returns)) if returns else None, "sps": sps}
             if actor_loss is not None:
                 logs.update(qf_loss=qf_loss.item(), actor_loss=actor_loss.item(), alpha=alpha.item())
+            diverged = next((name for name in ("qf_loss", "actor_loss", "alpha") if name in logs and not math.isfinite(logs[name])), None)
             pbar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
             metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
             if wandb is not None:
                 wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
+        if diverged is not None:
+            break
+        if checkpoint_due:
+            save_checkpoint(checkpoint_path, make_checkpoint())
+            last_saved, saved = global_step, True
+        if stop_signal is not None:
+            break
     pbar.close()
+    for s, h in previous_handlers.items():
+        signal.signal(s, h)
+    if start_iteration >= num_iterations:  # a finished run resumed: its curve still ends at its last step
+        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), "episodic_return": float(np.mean(returns)) if returns else None})
     metrics_file.close()
     envs.close()
+    if diverged is not None:
+        where = f"the last checkpoint, {checkpoint_path}, is intact" if saved else "no checkpoint was saved"
+        print(f"error: {diverged} is {logs[diverged]} at global step {global_step}: the run diverged; {where}", file=sys.stderr)
+    elif args.save_model:
+        save_checkpoint(checkpoint_path, make_checkpoint())
+        saved = True
+    # EVALUATION: the final policy, also after an interrupt, never after a divergence
+    eval_return = evaluate(args, actor.state_dict(), device) if args.eval_episodes > 0 and diverged is None else None
 
     # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
     end_time = time.perf_counter()
@@ -454,13 +624,20 @@ def main(args: Args) -> dict:
         "global_step": global_step,
         "wall_seconds": round(end_time - start_time, 3),
         # wall time of the first --measure-burnin training iterations: compile and warm-up live here
-        "compile_seconds": round((steady_start if steady_start is not None else end_time) - burnin_start, 3),
+        "compile_seconds": round((steady_start if steady_start is not None else end_time) - burnin_start, 3) if burnin_start is not None else None,
         "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
         "episodic_return": float(np.mean(returns)) if returns and np.isfinite(returns).all() else None,
         "episodes": episodes,
         # a diverged (non-finite) loss is null: NaN is not JSON
         "losses": {k: v.item() if torch.isfinite(v) else None for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss), ("alpha", alpha)) if v is not None},
         "run_name": run_name,
+        "checkpoint": checkpoint_path if saved else None,
+        "eval_return": eval_return,
+        "eval_episodes": args.eval_episodes,
+        "interrupted": stop_signal is not None,
+        "diverged": diverged is not None,
+        "resumed_from": args.resume,
+        "exit_code": 1 if diverged is not None else 128 + stop_signal if stop_signal is not None else 0,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)
     with open(f"runs/{run_name}/summary.json", "w") as f:
@@ -473,4 +650,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(main(tyro.cli(Args))["exit_code"])

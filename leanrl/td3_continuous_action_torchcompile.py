@@ -13,11 +13,13 @@ CudaGraphModule), and an acting copy of the policy that shares the learner's wei
 
 import copy
 import csv
+import dataclasses
 import difflib
 import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import deque
@@ -54,6 +56,17 @@ class Args:
     """the entity (team) of wandb's project"""
     capture_video: bool = False
     """whether to capture videos of the agent performances (check out `videos` folder; needs moviepy)"""
+    save_model: bool = False
+    """whether to save a checkpoint (weights, optimiser state, RNG states, step, args) to runs/{run_name}/checkpoint.pt at the end"""
+    checkpoint_every: int = 0
+    """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
+    resume: Optional[str] = None
+    """a checkpoint.pt to continue from to its own --total-timesteps (env, seed, budget and hyper-parameters come from the checkpoint);
+    the replay buffer is not saved: after a resume the restored policy refills it for --learning-starts steps (counted in the budget)
+    before updates start again"""
+    eval_episodes: Optional[int] = None
+    """episodes to evaluate the final policy deterministically (mean action / argmax) after training; default 10 with --save-model, else 0.
+    Here: the actor's action with no exploration noise"""
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v5"
@@ -94,10 +107,66 @@ class Args:
     """iterations between two reads of the losses (each read synchronises host and device)"""
 
 
+# what a resumed run takes from its command line; the rest (env, seed, budget, hyper-parameters) comes from the checkpoint
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model", "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+
+
 def fail(message: str):
     """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def save_checkpoint(path, checkpoint):
+    """Writes to a temporary file beside `path`, then renames it over `path`: the rename is atomic, so
+    a kill mid-write leaves the previous checkpoint whole."""
+    torch.save(checkpoint, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def load_checkpoint(path):
+    """Reads a checkpoint that this script wrote; anything else ends in a one-line error. weights_only:
+    tensors, numbers and strings only, so loading runs no code from the file."""
+    script = os.path.basename(__file__)
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated by a kill, or not a torch file
+        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
+    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if writer != script:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
+    return checkpoint
+
+
+def resume_args(args, checkpoint):
+    """The checkpoint's run arguments, with this command line's session flags."""
+    saved = checkpoint["args"]
+    for name, value in vars(args).items():
+        if name not in SESSION_FLAGS and name in saved and value != saved[name] and value != getattr(Args, name, None):
+            print(f"note: --resume continues the checkpoint's run: --{name.replace('_', '-')} stays {saved[name]}", file=sys.stderr)
+    return Args(**{name: value if name in SESSION_FLAGS or name not in saved else saved[name] for name, value in vars(args).items()})
+
+
+def rng_states():
+    """Python's, numpy's and torch's generators, in types that torch.load(weights_only=True) reads."""
+    np_state = np.random.get_state(legacy=False)
+    return {
+        "python": random.getstate(),
+        "numpy": (torch.from_numpy(np_state["state"]["key"].astype(np.int64)), np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_states(states):
+    random.setstate(states["python"])
+    key, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(states["torch"])
+    if states["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def check_args(args: Args):
@@ -126,7 +195,20 @@ def check_args(args: Args):
             fail(f"--{name.replace('_', '-')} must be a non-negative number, got {getattr(args, name)}")
     if args.measure_burnin < 0 or args.log_every <= 0:
         fail("--measure-burnin must be >= 0 and --log-every positive")
+    if args.checkpoint_every < 0:
+        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every > 0 and not args.save_model:
+        fail("--checkpoint-every needs --save-model")
+    if args.eval_episodes is not None and args.eval_episodes < 0:
+        fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
     if args.capture_video:
+        try:  # checked before any work, not found out when the first video is written
+            os.makedirs("videos", exist_ok=True)
+            writable = os.access("videos", os.W_OK)
+        except OSError:  # e.g. a file named videos
+            writable = False
+        if not writable:
+            fail("--capture-video writes to videos/, which cannot be written here: run from a writable folder")
         try:
             import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
         except ImportError:
@@ -270,12 +352,39 @@ def make_updates(args, actor, qnet, qnet_params, actor_target, qnet_target):
             torch._foreach_lerp_(target_params, actor_params + q_params, args.tau)
         return actor_loss.detach()
 
-    return (q_optimizer, actor_optimizer), (update_critic, update_actor)
+    return {"q_optimizer": q_optimizer, "actor_optimizer": actor_optimizer}, (update_critic, update_actor)
+
+
+def evaluate(args, actor_state, device):
+    """The mean return of --eval-episodes episodes of a fresh copy of the policy, acting with the actor's
+    action and no exploration noise, in a fresh env seeded apart from training (and reproducibly)."""
+    env = gym.make(args.env_id)
+    actor = Actor(math.prod(env.observation_space.shape), env.action_space, device=device)
+    actor.load_state_dict(actor_state)
+    episode_returns = []
+    for i in range(args.eval_episodes):
+        obs, _ = env.reset(seed=args.seed + 100_000 + i)
+        episode_return, done = 0.0, False
+        while not done:
+            with torch.no_grad():
+                action = actor(torch.as_tensor(obs, dtype=torch.float32, device=device)[None])[0]
+            obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
+            episode_return += float(reward)
+            done = terminated or truncated
+        episode_returns.append(episode_return)
+    env.close()
+    return float(np.mean(episode_returns))
 
 
 def main(args: Args) -> dict:
+    checkpoint = load_checkpoint(args.resume) if args.resume else None
+    if checkpoint is not None:
+        args = resume_args(args, checkpoint)
     check_args(args)
+    if args.eval_episodes is None:
+        args.eval_episodes = 10 if args.save_model else 0
     run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+    checkpoint_path = f"runs/{run_name}/checkpoint.pt"
 
     # SEEDING AND DEVICE
     random.seed(args.seed)
@@ -315,10 +424,22 @@ def main(args: Args) -> dict:
     qnet_target = qnet_params.data.clone()
     qnet = QNetwork(n_obs, n_act, device="meta")  # a shell without weights, filled by functional_call
     optimizers, (update_critic, update_actor) = make_updates(args, actor, qnet, qnet_params, actor_target, qnet_target)
+    # what a checkpoint holds, by name: the uncompiled modules' tensors, the critics' stacked (2, ...) ones
+    nets = {"actor": actor, "actor_target": actor_target, "qnet_params": qnet_params, "qnet_target": qnet_target}
     # the acting policy: a copy that shares the learner's weights, detached from autograd
     actor_detach = Actor(n_obs, envs.single_action_space, device="meta")
     from_module(actor).data.to_module(actor_detach)
     policy = partial(actor_detach.explore, noise_scale=args.exploration_noise)
+
+    # RESUME: in place (copy_ into the tensors that the optimisers, the update steps and the twin's CUDA
+    # graphs hold). The replay buffer is not saved: the restored policy refills it for --learning-starts steps
+    if checkpoint is not None:
+        for name, net in nets.items():
+            for key, tensor in net.state_dict().items():
+                tensor.copy_(checkpoint["model"][name][key])
+        for name, optimizer in optimizers.items():
+            optimizer.load_state_dict(checkpoint["optimizer"][name])
+            optimizer.param_groups[0]["capturable"] = args.cudagraphs  # this session's choice, not the saved run's
 
     # COMPILE: torch.compile fuses each step's kernels; CudaGraphModule then records the launches
     # once and replays them, removing the per-kernel launch cost that dominates at these sizes
@@ -348,16 +469,45 @@ def main(args: Args) -> dict:
     metrics.writeheader()
 
     # TRAINING LOOP
-    returns = deque(maxlen=10)  # the last 10 finished episodes
-    episodes, global_step = 0, 0
+    returns = deque(checkpoint["returns"] if checkpoint is not None else [], maxlen=10)  # the last 10 finished episodes
+    episodes, global_step = (checkpoint["episodes"], checkpoint["global_step"]) if checkpoint is not None else (0, 0)
     num_iterations = args.total_timesteps // args.num_envs
-    first_update = args.learning_starts // args.num_envs  # iterations before the first update
+    start_iteration = global_step // args.num_envs
+    first_update = start_iteration + args.learning_starts // args.num_envs  # iterations before the first update
     steady_from = min(first_update + args.measure_burnin, num_iterations)
     start_time = time.perf_counter()
     burnin_start = steady_start = None
     qf_loss = actor_loss = None
-    obs, _ = envs.reset(seed=args.seed)
-    pbar = tqdm.tqdm(range(num_iterations), file=sys.stderr, mininterval=1.0)
+    last_saved, saved, diverged = global_step, False, False
+    if checkpoint is not None:
+        set_rng_states(checkpoint["rng"])
+
+    def save():
+        """The checkpoint, from the uncompiled modules (their state_dicts' names carry no compile wrapper's prefix)."""
+        save_checkpoint(checkpoint_path, {
+            "script": os.path.basename(__file__),
+            "args": dataclasses.asdict(args),
+            "global_step": global_step,
+            "episodes": episodes,
+            "returns": list(returns),
+            "rng": rng_states(),
+            "model": {name: net.state_dict() for name, net in nets.items()},
+            "optimizer": {name: optimizer.state_dict() for name, optimizer in optimizers.items()},
+        })
+
+    # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
+    # (with --save-model) and summarises; a second signal stops at once
+    stop_signal = None
+
+    def request_stop(signum, frame):
+        nonlocal stop_signal
+        stop_signal = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # a resumed run's envs start fresh episodes, not a replay of the first ones
+    obs, _ = envs.reset(seed=args.seed + global_step)
+    pbar = tqdm.tqdm(range(start_iteration, num_iterations), file=sys.stderr, mininterval=1.0)
     for iteration in pbar:
         if iteration == first_update:
             burnin_start = time.perf_counter()
@@ -365,8 +515,9 @@ def main(args: Args) -> dict:
             steady_start, steady_step = time.perf_counter(), global_step
         global_step += args.num_envs
 
-        # ACT: uniformly random until learning starts, then the policy plus exploration noise
-        if iteration < first_update:
+        # ACT: uniformly random until learning starts (a resumed run refills with its restored policy),
+        # then the policy plus exploration noise
+        if iteration < first_update and checkpoint is None:
             actions = envs.action_space.sample()
         else:
             with torch.no_grad():
@@ -394,8 +545,11 @@ def main(args: Args) -> dict:
             if iteration % args.policy_frequency == 0:  # delayed actor and target updates
                 actor_loss = update_actor(data[0])
 
-        # LOG: the only place losses reach the host
-        if iteration % args.log_every == 0 or iteration == num_iterations - 1:
+        # LOG: the only place losses reach the host; also before a periodic checkpoint (none of diverged
+        # weights) and at a stop (the curve ends where the run does)
+        checkpoint_due = args.save_model and args.checkpoint_every and global_step // args.checkpoint_every > last_saved // args.checkpoint_every
+        stopping = stop_signal is not None  # read once: a signal after this line stops the next iteration
+        if iteration % args.log_every == 0 or iteration == num_iterations - 1 or checkpoint_due or stopping:
             sps = None
             if steady_start is not None and global_step > steady_step:
                 sps = (global_step - steady_step) / (time.perf_counter() - steady_start)
@@ -406,12 +560,37 @@ def main(args: Args) -> dict:
             metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
             if wandb is not None:
                 wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
+            # a non-finite loss ends the run: the weights are lost, and a checkpoint of them would overwrite a good one
+            nonfinite = [k for k in ("qf_loss", "actor_loss") if k in logs and not math.isfinite(logs[k])]
+            if nonfinite:
+                pbar.close()  # the error on a line of its own, not after the progress bar
+                where = f"the last checkpoint, {checkpoint_path}, is intact" if saved else "no checkpoint was saved"
+                print(f"error: {nonfinite[0]} is {logs[nonfinite[0]]} at global step {global_step}: the run diverged; {where}", file=sys.stderr)
+                diverged = True
+                break
+        if checkpoint_due:
+            save()
+            last_saved, saved = global_step, True
+        if stopping:
+            break
+    for s, h in previous_handlers.items():
+        signal.signal(s, h)
     pbar.close()
+    if start_iteration >= num_iterations:  # a finished run resumed: its curve still ends at its last step
+        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), "episodic_return": float(np.mean(returns)) if returns else None})
     metrics_file.close()
     envs.close()
+    end_time = time.perf_counter()
+    if args.save_model and not diverged:
+        save()
+        saved = True
+
+    # EVALUATION: after training, of the final weights (also after an interrupt, not after divergence)
+    eval_return = None
+    if args.eval_episodes > 0 and not diverged:
+        eval_return = evaluate(args, actor.state_dict(), device)
 
     # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
-    end_time = time.perf_counter()
     steady = steady_start is not None and global_step > steady_step
     summary = {
         "script": os.path.basename(__file__),
@@ -424,13 +603,20 @@ def main(args: Args) -> dict:
         "global_step": global_step,
         "wall_seconds": round(end_time - start_time, 3),
         # wall time of the first --measure-burnin training iterations: compile and warm-up live here
-        "compile_seconds": round((steady_start if steady_start is not None else end_time) - burnin_start, 3),
+        "compile_seconds": round((steady_start if steady_start is not None else end_time) - burnin_start, 3) if burnin_start is not None else None,
         "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
         "episodic_return": float(np.mean(returns)) if returns and np.isfinite(returns).all() else None,
         "episodes": episodes,
         # a diverged (non-finite) loss is null: NaN is not JSON
         "losses": {k: v.item() if torch.isfinite(v) else None for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss)) if v is not None},
         "run_name": run_name,
+        "checkpoint": checkpoint_path if saved else None,
+        "eval_return": eval_return,
+        "eval_episodes": args.eval_episodes,
+        "interrupted": stop_signal is not None,
+        "diverged": diverged,
+        "resumed_from": args.resume,
+        "exit_code": 1 if diverged else 128 + stop_signal if stop_signal is not None else 0,
     }
     os.makedirs(f"runs/{run_name}", exist_ok=True)
     with open(f"runs/{run_name}/summary.json", "w") as f:
@@ -443,4 +629,4 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    sys.exit(main(tyro.cli(Args))["exit_code"])

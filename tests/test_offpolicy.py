@@ -2,6 +2,7 @@
 
 import copy
 import math
+import subprocess
 
 import gymnasium as gym
 import numpy as np
@@ -60,12 +61,19 @@ def test_short_run(script, flags, workdir):
 
 @pytest.mark.parametrize("script", [SAC, TD3])
 def test_diverged_run_still_ends_with_valid_json(script, workdir):
-    """A learning rate of 1e30 turns the weights, the actions and the returns into NaN within a few
-    updates: the summary says null where a number is not finite."""
+    """A learning rate of 1e30 turns a loss non-finite within a few updates: the run stops at the next
+    read of the losses with one line naming the loss and the step, exit code 1, and a valid summary
+    that says null where a number is not finite."""
     lr_flags = ["--q-lr", "1e30", "--policy-lr", "1e30"] if script == SAC else ["--learning-rate", "1e30"]
     proc = run_script(script, *SHORT, *lr_flags, cwd=workdir)
-    summary = summary_of(proc, workdir)
-    assert summary["losses"]["qf_loss"] is None and summary["episodic_return"] is None
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].endswith("the run diverged; no checkpoint was saved"), proc.stderr
+    # the rest of the summary contract holds as for a clean exit
+    summary = summary_of(subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr), workdir)
+    assert summary["diverged"] is True and summary["exit_code"] == 1 and summary["eval_return"] is None
+    loss, step = errors[0].split()[1], int(errors[0].split("at global step ")[1].split(":")[0])  # error: <loss> is nan at global step <step>: ...
+    assert summary["losses"][loss] is None and summary["global_step"] == step < 400
 
 
 def test_track_logs_to_wandb_offline(workdir):

@@ -217,7 +217,7 @@ def test_twin_update_computes_the_eager_update(mode):
         torch.manual_seed(0)
         agent = module.Agent(4, device=device).to(memory_format=memory_format)
         extra = {"compile": mode != "twin", "cudagraphs": mode == "cudagraphs"} if name == PPO_TWIN else {}
-        update, set_learning_rate = module.make_update(module.Args(**extra), agent)
+        update, set_learning_rate, _, _ = module.make_update(module.Args(**extra), agent)
         learners.append((agent, wrap(update, mode) if name == PPO_TWIN else update, set_learning_rate))
     initial = {name: p.detach().clone() for name, p in learners[0][0].named_parameters()}
     gen = torch.Generator().manual_seed(1)

@@ -1,6 +1,7 @@
 """PPO for continuous actions: the eager script and its torch.compile twin, on the CPU."""
 
 import math
+import subprocess
 
 import gymnasium as gym
 import numpy as np
@@ -61,11 +62,14 @@ def test_short_run(script, flags, workdir):
 
 @pytest.mark.parametrize("script", [PPO, PPO_TWIN])
 def test_diverged_run_still_ends_with_valid_json(script, workdir):
-    """A learning rate of 1e30 turns the weights into inf and NaN after the first update: the summary
-    says null where a number is not finite."""
+    """A learning rate of 1e30 turns the weights into inf and NaN after the first update: the run stops
+    with exit code 1 and one line saying so, and the summary says null where a number is not finite."""
     proc = run_script(script, *SHORT, "--learning-rate", "1e30", cwd=workdir)
-    summary = summary_of(proc, workdir)
-    assert summary["losses"]["value_loss"] is None
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: value_loss is nan at global step 64: the run diverged; no checkpoint was saved"], proc.stderr
+    summary = summary_of(subprocess.CompletedProcess(proc.args, 0, proc.stdout, proc.stderr), workdir)  # the JSON, summary.json and metrics.csv contract of a finished run; the exit code is checked above
+    assert summary["losses"]["value_loss"] is None and summary["diverged"] is True and summary["exit_code"] == 1
 
 
 def test_track_logs_to_wandb_offline(workdir):
@@ -180,7 +184,7 @@ def test_twin_update_computes_the_eager_update(mode):
         agent = module.Agent(5, 2, device=device)
         extra = {"compile": mode != "twin", "cudagraphs": mode == "cudagraphs"} if name == PPO_TWIN else {}
         args = module.Args(max_grad_norm=0.05, ent_coef=0.01, **extra)
-        update, set_learning_rate = module.make_update(args, agent)
+        update, set_learning_rate, _, _ = module.make_update(args, agent)
         learners.append((agent, wrap(update, mode) if name == PPO_TWIN else update, set_learning_rate))
     gen = torch.Generator().manual_seed(1)
     for i in range(6 if mode == "cudagraphs" else 3):
