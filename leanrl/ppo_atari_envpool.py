@@ -125,7 +125,7 @@ def load_checkpoint(path):
     tensors, numbers and strings only, so loading runs no code from the file."""
     script = os.path.basename(__file__)
     if not os.path.isfile(path):
-        fail(f"--resume {path}: no such file")
+        fail(f"--resume {path}: no such file (a run writes runs/<run_name>/checkpoint.pt when given --save-model)")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated by a kill, or not a torch file
