@@ -13,7 +13,7 @@
 # At the end (not in a dry run) benchmarks/report.py writes report.md, sps.png and returns.png into
 # the results folder (the plots need requirements/requirements-bench.txt).
 #
-# The Breakout learning check (8 envs, 200,000 steps, eager and twin --compile, 15-20 minutes each on
+# The Breakout learning check (8 envs, 200,000 steps at a constant learning rate, eager and twin --compile, 15-20 minutes each on
 # 2 CPU cores) is a test left out of the default test run: python -m pytest tests -m slow
 #
 # Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN,
