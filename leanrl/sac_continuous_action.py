@@ -532,7 +532,8 @@ def main(args: Args) -> dict:
 
         # LOG: the only place losses reach the host; a periodic checkpoint first checks they are finite
         checkpoint_due = args.save_model and args.checkpoint_every > 0 and global_step // args.checkpoint_every > last_saved // args.checkpoint_every
-        if iteration % args.log_every == 0 or iteration == num_iterations - 1 or checkpoint_due or stop_signal is not None:
+        stopping = stop_signal is not None  # read once: a signal after this line stops the next iteration
+        if iteration % args.log_every == 0 or iteration == num_iterations - 1 or checkpoint_due or stopping:
             sps = None
             if steady_start is not None and global_step > steady_step:
                 sps = (global_step - steady_step) / (time.perf_counter() - steady_start)
@@ -549,7 +550,7 @@ def main(args: Args) -> dict:
         if checkpoint_due:
             save_checkpoint(checkpoint_path, make_checkpoint())
             last_saved, saved = global_step, True
-        if stop_signal is not None:
+        if stopping:
             break
     pbar.close()
     for s, h in previous_handlers.items():
