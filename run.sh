@@ -6,6 +6,7 @@
 #   STEPS=50000 SEEDS=1 ./run.sh               # a short version for a CPU (TD3 needs > 25000, PPO >= 2048)
 #   SCRIPTS=ppo_atari_envpool STEPS=100000 ./run.sh   # Atari (needs requirements/requirements-atari.txt)
 #   SCRIPTS="sac_continuous_action" ./run.sh   # some scripts only (names without .py)
+#   SCRIPTS=ppo_atari_envpool_multigpu NPROC=2 ./run.sh   # data-parallel PPO Atari: torchrun, NPROC processes
 #   DRY_RUN=1 ./run.sh                         # print the commands, run nothing
 #   EXTRA="--env-id Pendulum-v1" ./run.sh      # flags appended to every command
 #   VARIANTS="eager twin compile" ./run.sh     # some variants only (on a CPU --cudagraphs changes nothing)
@@ -17,6 +18,7 @@
 # 2 CPU cores) is a test left out of the default test run: python -m pytest tests -m slow
 #
 # Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN,
+# NPROC (processes of the multi-process script, default 1; each steps its own --local-num-envs 8 envs),
 # VARIANTS (any of: eager twin compile cudagraphs compile+cudagraphs, the default all five: the eager
 # script, its _torchcompile twin with no flag, --compile, --cudagraphs, both).
 # Steady-state sps and compile seconds are in each summary: compile time is never in the sps.
@@ -40,7 +42,7 @@ done
 # without graphs)
 variants() {
   case $1 in
-    ppo_atari_envpool | ppo_continuous_action | sac_continuous_action | td3_continuous_action) ;;
+    ppo_atari_envpool | ppo_atari_envpool_multigpu | ppo_continuous_action | sac_continuous_action | td3_continuous_action) ;;
     *) echo "unknown script $1" >&2; return 1 ;;
   esac
   for variant in $VARIANTS; do
@@ -64,6 +66,14 @@ extra() {
   esac
 }
 
+# the multi-process script runs under torchrun (python -m torch.distributed.run), NPROC processes here
+launcher() {
+  case $1 in
+    ppo_atari_envpool_multigpu*) echo "python -m torch.distributed.run --standalone --nproc_per_node ${NPROC:-1}" ;;
+    *) echo "python" ;;
+  esac
+}
+
 # a dry run creates no results folder
 if [ -z "${DRY_RUN:-}" ]; then
   mkdir -p "$RESULTS"
@@ -72,7 +82,7 @@ fi
 for script in $SCRIPTS; do
   variants "$script" | while IFS='|' read -r file flags; do
     for seed in $SEEDS; do
-      cmd="python $here/leanrl/$file.py $(extra "$file") --seed $seed --total-timesteps $STEPS $flags ${EXTRA:-}"
+      cmd="$(launcher "$file") $here/leanrl/$file.py $(extra "$file") --seed $seed --total-timesteps $STEPS $flags ${EXTRA:-}"
       echo "$cmd"
       if [ -z "${DRY_RUN:-}" ]; then
         # the summary line (the progress bar is on stderr); a failed run is reported, the table goes on

@@ -64,7 +64,8 @@ def load_runs(results_dir: Path) -> list:
         metrics = path.with_name("metrics.csv")
         runs.append({
             **summary,
-            "algorithm": summary["script"][: -len(".py")].removesuffix("_torchcompile"),
+            # a multi-process run is its own row: its sps counts every process's steps
+            "algorithm": summary["script"][: -len(".py")].removesuffix("_torchcompile") + (f" x{summary['world_size']}" if summary.get("world_size", 1) > 1 else ""),
             "variant": variant_of(summary),
             "metrics_csv": metrics if metrics.exists() else None,
         })

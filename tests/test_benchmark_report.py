@@ -25,7 +25,7 @@ def table_rows(markdown):
 
 
 def write_run(results, script, seed, sps, episodic_return, compile=False, cudagraphs=False, env_id="Pendulum-v1",
-              compile_seconds=1.0, curve=None, started=1_790_000_000):
+              compile_seconds=1.0, curve=None, started=1_790_000_000, **extra):
     """One run's folder as the scripts write it: summary.json, and metrics.csv when `curve` is given
     as [(global_step, episodic_return or None)]."""
     started += 600 * len(list(results.glob("runs/*")))  # ten minutes after the run before
@@ -35,7 +35,7 @@ def write_run(results, script, seed, sps, episodic_return, compile=False, cudagr
     summary = {
         "script": script, "env_id": env_id, "seed": seed, "compile": compile, "cudagraphs": cudagraphs,
         "device": "cpu", "torch": "2.13.0", "global_step": 300, "wall_seconds": 3.0, "compile_seconds": compile_seconds,
-        "sps": sps, "episodic_return": episodic_return, "episodes": 1, "losses": {}, "run_name": run_name,
+        "sps": sps, "episodic_return": episodic_return, "episodes": 1, "losses": {}, "run_name": run_name, **extra,
     }
     (folder / "summary.json").write_text(json.dumps(summary))
     if curve is not None:
@@ -117,3 +117,22 @@ def test_no_runs_is_one_line_error(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no runs/*/summary.json under"), proc.stderr
+
+
+def test_runs_of_several_processes_are_rows_of_their_own(tmp_path):
+    """The multi-process script's sps counts every process's steps: 2 processes are not averaged with
+    1, and their speed-up is against the eager script run by as many processes."""
+    results = tmp_path / "results"
+    multi, twin = "ppo_atari_envpool_multigpu.py", "ppo_atari_envpool_multigpu_torchcompile.py"
+    write_run(results, multi, 1, 100.0, 1.0, env_id="Breakout-v5", world_size=1)
+    write_run(results, multi, 1, 180.0, 1.0, env_id="Breakout-v5", world_size=2)
+    write_run(results, twin, 1, 360.0, 1.0, env_id="Breakout-v5", world_size=2, compile=True)
+    proc = report(results, "--out", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows((tmp_path / "out" / "report.md").read_text())
+    assert set(rows) == {
+        ("ppo_atari_envpool_multigpu", "Breakout-v5", "eager"),
+        ("ppo_atari_envpool_multigpu x2", "Breakout-v5", "eager"),
+        ("ppo_atari_envpool_multigpu x2", "Breakout-v5", "twin --compile"),
+    }
+    assert rows["ppo_atari_envpool_multigpu x2", "Breakout-v5", "twin --compile"]["speed-up"] == "2.00x"

@@ -29,6 +29,8 @@ except ImportError:
 NEEDS_ENVPOOL = pytest.mark.skipif(not HAS_ENVPOOL, reason="envpool is not installed: pip install -r requirements/requirements-atari.txt")
 
 PPO, SAC, TD3, ATARI = "ppo_continuous_action", "sac_continuous_action", "td3_continuous_action", "ppo_atari_envpool"
+# run here as one process; tests/test_ppo_atari_multigpu.py stops, resumes and diverges it under torchrun
+MULTI = "ppo_atari_envpool_multigpu"
 # per script: a short run that reaches several updates, and the steps in one iteration
 SHORT = {
     PPO: ["--env-id", "Pendulum-v1", "--num-steps", "64", "--num-minibatches", "2", "--update-epochs", "2", "--total-timesteps", "512"],
@@ -36,8 +38,9 @@ SHORT = {
     TD3: ["--env-id", "Pendulum-v1", "--learning-starts", "100", "--total-timesteps", "400", "--batch-size", "32", "--log-every", "50"],
     # Pong: an untrained policy loses a whole game in about 800 steps, so evaluation stays short
     ATARI: ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "256"],
+    MULTI: ["--env-id", "Pong-v5", "--local-num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "256"],
 }
-ITERATION_STEPS = {PPO: 64, SAC: 1, TD3: 1, ATARI: 64}
+ITERATION_STEPS = {PPO: 64, SAC: 1, TD3: 1, ATARI: 64, MULTI: 64}
 
 
 def params(scripts, twins=True):
@@ -45,7 +48,7 @@ def params(scripts, twins=True):
     out = []
     for script in scripts:
         for name in [script, f"{script}_torchcompile"] if twins else [script]:
-            marks = [NEEDS_ENVPOOL] if script == ATARI else []
+            marks = [NEEDS_ENVPOOL] if script in (ATARI, MULTI) else []
             out.append(pytest.param(script, name, id=name, marks=marks))
     return out
 
@@ -56,7 +59,7 @@ def test_every_script_is_covered_here():
         assert base in SHORT, f"{path.name} is not covered by tests/test_lifecycle.py"
 
 
-@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI]))
+@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI, MULTI]))
 def test_checkpoint_round_trip(script, name, workdir):
     """The saved weights act exactly as the trained ones: a finished run's checkpoint, resumed with no
     step left to train, evaluates (deterministic actions, same evaluation seeds) to the same return."""
@@ -176,14 +179,14 @@ def save_fake_checkpoint(path, **content):
 
 BAD_INPUTS = [
     # (scripts, flags, message): {tmp} is the test's folder
-    ([PPO, SAC, TD3, ATARI], ["--resume", "{tmp}/missing.pt"], "--resume {tmp}/missing.pt: no such file"),
-    ([PPO, SAC, TD3, ATARI], ["--resume", "{tmp}/truncated.pt"], "is not a readable checkpoint"),
-    ([PPO, SAC, TD3, ATARI], ["--resume", "{tmp}/notes.txt"], "is not a readable checkpoint"),
-    ([PPO, TD3, ATARI], ["--resume", "{tmp}/sac.pt"], "was written by sac_continuous_action.py, not"),
+    ([PPO, SAC, TD3, ATARI, MULTI], ["--resume", "{tmp}/missing.pt"], "--resume {tmp}/missing.pt: no such file"),
+    ([PPO, SAC, TD3, ATARI, MULTI], ["--resume", "{tmp}/truncated.pt"], "is not a readable checkpoint"),
+    ([PPO, SAC, TD3, ATARI, MULTI], ["--resume", "{tmp}/notes.txt"], "is not a readable checkpoint"),
+    ([PPO, TD3, ATARI, MULTI], ["--resume", "{tmp}/sac.pt"], "was written by sac_continuous_action.py, not"),
     ([SAC], ["--resume", "{tmp}/td3.pt"], "was written by td3_continuous_action.py, not sac_continuous_action"),
-    ([PPO, SAC, TD3, ATARI], ["--checkpoint-every", "-5", "--save-model"], "--checkpoint-every must be >= 0, got -5"),
-    ([PPO, SAC, TD3, ATARI], ["--checkpoint-every", "100"], "--checkpoint-every needs --save-model"),
-    ([PPO, SAC, TD3, ATARI], ["--eval-episodes", "-1"], "--eval-episodes must be >= 0, got -1"),
+    ([PPO, SAC, TD3, ATARI, MULTI], ["--checkpoint-every", "-5", "--save-model"], "--checkpoint-every must be >= 0, got -5"),
+    ([PPO, SAC, TD3, ATARI, MULTI], ["--checkpoint-every", "100"], "--checkpoint-every needs --save-model"),
+    ([PPO, SAC, TD3, ATARI, MULTI], ["--eval-episodes", "-1"], "--eval-episodes must be >= 0, got -1"),
     ([PPO, SAC, TD3], ["--capture-video"], "--capture-video writes to videos/, which cannot be written here"),
 ]
 

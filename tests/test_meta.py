@@ -29,12 +29,13 @@ def test_run_sh_covers_every_script_and_names_existing_files():
         capture_output=True, text=True, check=True,
     ).stdout
     commands = [line for line in out.splitlines() if line.startswith("python ")]
+    script_of = {c: next(word for word in c.split() if word.endswith(".py")) for c in commands}  # after torchrun's flags, if any
     for c in commands:
-        assert os.path.exists(c.split()[1]), c
+        assert os.path.exists(script_of[c]), c
     # the report on the results folder comes last, after every script's runs
-    assert os.path.samefile(commands[-1].split()[1], ROOT / "benchmarks" / "report.py"), commands[-1]
+    assert os.path.samefile(script_of[commands[-1]], ROOT / "benchmarks" / "report.py"), commands[-1]
     commands = commands[:-1]
-    named = {os.path.basename(c.split()[1])[: -len(".py")] for c in commands}
+    named = {os.path.basename(script_of[c])[: -len(".py")] for c in commands}
     assert named == set(SCRIPTS)
     for twin in (s for s in SCRIPTS if s.endswith("_torchcompile")):  # each twin in its four variants
         # the flags after "--total-timesteps N"
