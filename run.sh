@@ -14,8 +14,9 @@
 # At the end (not in a dry run) benchmarks/report.py writes report.md, sps.png and returns.png into
 # the results folder (the plots need requirements/requirements-bench.txt).
 #
-# The Breakout learning check (8 envs, 200,000 steps at a constant learning rate, eager and twin --compile, 15-20 minutes each on
-# 2 CPU cores) is a test left out of the default test run: python -m pytest tests -m slow
+# The Breakout learning checks (8 envs, 200,000 steps at a constant learning rate: eager, twin --compile, and the
+# multi-process script as 2 processes of 4 envs; 15-20 minutes each on 2 CPU cores) are tests left out of the
+# default test run: python -m pytest tests -m slow
 #
 # Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN,
 # NPROC (processes of the multi-process script, default 1; each steps its own --local-num-envs 8 envs),
