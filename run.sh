@@ -16,7 +16,8 @@
 #
 # The Breakout learning checks (8 envs, 200,000 steps at a constant learning rate: eager, twin --compile, and the
 # multi-process script as 2 processes of 4 envs; 15-20 minutes each on 2 CPU cores) are tests left out of the
-# default test run: python -m pytest tests -m slow
+# default test run, as are the compiled twins' learning checks on Pendulum and InvertedPendulum:
+# python -m pytest tests -m slow
 #
 # Environment variables: STEPS (total timesteps), SEEDS, SCRIPTS, EXTRA, RESULTS (the folder), DRY_RUN,
 # NPROC (processes of the multi-process script, default 1; each steps its own --local-num-envs 8 envs),

@@ -249,10 +249,17 @@ def test_td3_explore_stays_in_asymmetric_bounds():
     assert (actions == torch.tensor([-1.0, 0.0])).any(0).all() and (actions == torch.tensor([3.0, 0.5])).any(0).all()
 
 
+# The twins' checks are slow (3-5 minutes each on 2 cores) and left out of the default run: the
+# equivalence tests above show that a twin computes what its eager script computes, and
+# `python -m pytest tests -m slow` runs them
 @pytest.mark.parametrize(
     "script, flags, steps",
-    [(SAC, [], 12_000), (SAC_TWIN, ["--compile"], 12_000), (TD3, [], 15_000), (TD3_TWIN, ["--compile"], 15_000)],
-    ids=["sac", "sac-twin-compile", "td3", "td3-twin-compile"],
+    [
+        pytest.param(SAC, [], 12_000, id="sac"),
+        pytest.param(SAC_TWIN, ["--compile"], 12_000, id="sac-twin-compile", marks=pytest.mark.slow),
+        pytest.param(TD3, [], 15_000, id="td3"),
+        pytest.param(TD3_TWIN, ["--compile"], 15_000, id="td3-twin-compile", marks=pytest.mark.slow),
+    ],
 )
 def test_learns_pendulum(script, flags, steps, workdir):
     """Reference implementations on a 2-core CPU: SAC reaches about -150 by 8,000 steps, TD3 about
