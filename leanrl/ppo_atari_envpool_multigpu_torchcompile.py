@@ -112,7 +112,7 @@ class Args:
     max_grad_norm: float = 0.5
     """the maximum norm for the gradient clipping"""
     target_kl: Optional[float] = None
-    """the target KL divergence threshold: an iteration stops its epochs once the last minibatch's exceeds it"""
+    """the target KL divergence threshold: an iteration stops its epochs once the mean over the processes of their last minibatch's exceeds it"""
 
     # Performance
     compile: bool = False
@@ -237,7 +237,7 @@ def check_args(args: Args, world_size: int):
         fail("--checkpoint-every needs --save-model")
     if args.eval_episodes is not None and args.eval_episodes < 0:
         fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
-    if args.backend is not None and args.backend not in ("gloo", "nccl", "mpi"):
+    if args.backend is not None and args.backend not in ("gloo", "nccl"):
         fail(f"--backend {args.backend!r} is not a torch.distributed backend: pick gloo (CPU or CUDA) or nccl (CUDA)")
     try:
         import envpool  # noqa: F401
@@ -494,7 +494,8 @@ def evaluate(args, state_dict, n_act, device, memory_format):
 
 
 def main(args: Args) -> dict:
-    world_size = int(os.environ.get("WORLD_SIZE", 1))  # from torchrun: the input is checked before the processes meet
+    # torchrun's; without torchrun (no RANK) a lone process. The input is checked before the processes meet
+    world_size = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1
     checkpoint = load_checkpoint(args.resume) if args.resume else None
     if checkpoint is not None:
         args = resume_args(args, checkpoint)
@@ -513,6 +514,14 @@ def main(args: Args) -> dict:
     # PROCESSES, SEEDING AND DEVICE: each process seeds its own generators (its sampled actions and
     # minibatches differ from the others'); the initial weights are rank 0's, broadcast below
     rank, world_size, device = init_distributed(args)
+    # every process must run the same command (on several machines, each machine its own): another
+    # budget, schedule or --save-model would leave some processes waiting in a collective that the
+    # others never call, another seed or env would silently train something else
+    launch = {k: v for k, v in vars(args).items() if k not in ("resume", "track", "wandb_project_name", "wandb_entity")}
+    launch["resume"] = checkpoint["global_step"] if checkpoint is not None else None  # the path may differ between machines
+    differing = sorted({k for other in all_gather(launch, world_size) for k in launch if other[k] != launch[k]})
+    if differing:
+        fail(f"the processes were launched with different {', '.join('--' + k.replace('_', '-') for k in differing)}: give every machine the same command")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
@@ -627,8 +636,9 @@ def main(args: Args) -> dict:
 
     # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
     # (with --save-model) and summarises; a second signal stops at once. torchrun passes a signal that it
-    # receives on to every process, so a Ctrl-C reaches each one twice within milliseconds: a repeat
-    # within a second counts once. The processes agree on stopping at the end of each iteration
+    # receives on to every process, which may also get its own copy (a scheduler that signals them all,
+    # or a Ctrl-C where torchrun keeps its processes in the terminal's group): a repeat within a second
+    # counts once. The processes agree on stopping at the end of each iteration
     stop_signal, stop_time, stopping = None, None, None
 
     def request_stop(signum, frame):
@@ -765,11 +775,12 @@ def main(args: Args) -> dict:
     # every process's weights as a checksum: the same value world_size times, or the processes drifted apart
     checksums = all_gather(hashlib.sha256(b"".join(p.detach().cpu().contiguous().numpy().tobytes() for p in agent.parameters())).hexdigest()[:16], world_size)
 
-    # EVALUATION: by rank 0, after training, of the final weights (not after divergence; after an
-    # interrupt only in a lone process: torchrun kills its processes 30 s after passing a signal on)
+    # EVALUATION: by rank 0, after training, of the final weights (not after divergence). Under
+    # torchrun not after a signal either (also one that came after the last iteration): torchrun kills
+    # its processes 30 s (its --shutdown-timeout) after passing a signal on
     eval_return = None
-    if args.eval_episodes > 0 and not diverged and stopping is not None and world_size > 1:
-        note("note: an interrupted run of several processes is not evaluated (torchrun kills them 30 s after a signal)")
+    if args.eval_episodes > 0 and not diverged and "RANK" in os.environ and (stopping or stop_signal) is not None:
+        note("note: a run under torchrun is not evaluated after a signal (torchrun kills its processes 30 s after one)")
     elif args.eval_episodes > 0 and not diverged and rank == 0:
         eval_return = evaluate(args, agent.state_dict(), n_act, device, memory_format)
 
@@ -813,10 +824,11 @@ def main(args: Args) -> dict:
             wandb.summary.update(summary)
             wandb.finish()
         print(json.dumps(summary), flush=True)
-    # the other processes wait for rank 0's evaluation and summary: torchrun stops every process as soon as one exits with an error code
-    dist.barrier()
     dist.destroy_process_group()
-    return summary
+    # rank 0 alone says how the run ended: torchrun stops every process as soon as one exits with an
+    # error code, which would cut rank 0's evaluation and summary short. (No collective follows the
+    # checksums, so the other processes need not wait for rank 0.)
+    return summary if rank == 0 else {**summary, "exit_code": 0}
 
 
 if __name__ == "__main__":

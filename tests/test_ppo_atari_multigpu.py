@@ -115,9 +115,22 @@ def test_launch_across_machines(workdir):
     check_both_processes(summary, 512)
 
 
+def test_machines_with_different_commands_stop_with_one_line(workdir):
+    """Two machines (two torchrun agents) launched with different seeds: every process stops before
+    training, and rank 0 names the argument that differs."""
+    port = free_port()
+    launch = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "leanrl-test"]
+    agents = [torchrun(MULTI, *SHORT, "--total-timesteps", 512, "--seed", seed, nproc=1, launch=launch, cwd=workdir, popen=True) for seed in (1, 2)]
+    outputs = [agent.communicate(timeout=600) for agent in agents]
+    assert all(agent.returncode != 0 for agent in agents)
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: the processes were launched with different --seed: give every machine the same command"], errors
+    assert not (workdir / "runs").exists()
+
+
 def test_interrupted_processes_stop_together_and_resume(workdir):
-    """A Ctrl-C reaches every process of the group (and torchrun passes its own copy on): all finish
-    the same iteration, rank 0 writes the checkpoint (with each process's generators) and the summary,
+    """A Ctrl-C to torchrun's process group (torchrun passes it on to its processes): all finish the
+    same iteration, rank 0 writes the checkpoint (with each process's generators) and the summary,
     and torchrun's 2 processes resume it to the end of the budget."""
     total = 2560
     proc = torchrun(MULTI, *SHORT, "--total-timesteps", total, "--save-model", "--eval-episodes", "1", cwd=workdir, popen=True)
@@ -132,7 +145,7 @@ def test_interrupted_processes_stop_together_and_resume(workdir):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["interrupted"] is True and summary["exit_code"] == 130, err[-3000:]
     assert 0 < summary["global_step"] < total and summary["global_step"] % 128 == 0
-    assert summary["eval_return"] is None and "is not evaluated" in err
+    assert summary["eval_return"] is None and "is not evaluated after a signal" in err
     assert summary["param_checksums"][0] == summary["param_checksums"][1]
     checkpoint = torch.load(workdir / summary["checkpoint"], weights_only=True)
     assert checkpoint["world_size"] == 2 and len(checkpoint["rng"]) == 2
@@ -284,7 +297,7 @@ def write_checkpoint_of_two_processes(path, script):
         (["--backend", "nccl"], {}, "--backend nccl needs CUDA: on the CPU use --backend gloo"),
         (["--backend", "tcp"], {}, "--backend 'tcp' is not a torch.distributed backend: pick gloo (CPU or CUDA) or nccl (CUDA)"),
         (["--local-num-envs", "0"], {}, "--local-num-envs must be positive"),
-        (["--total-timesteps", "2000"], {"WORLD_SIZE": "2"}, "smaller than one rollout of --local-num-envs * --num-steps * 2 processes (2048)"),
+        (["--total-timesteps", "2000"], {"WORLD_SIZE": "2", "RANK": "0"}, "smaller than one rollout of --local-num-envs * --num-steps * 2 processes (2048)"),
         (["--resume", "{tmp}/two.pt"], {}, "was written by a run of 2 processes, not 1: resume it with as many, each with --local-num-envs 8"),
     ],
     ids=["nccl-on-cpu", "unknown-backend", "no-envs", "budget-of-2-processes", "resume-of-2-processes"],
