@@ -41,6 +41,14 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+# before any process group exists (torch.optim and torch.compile would import it later): torch._dynamo
+# imports torch.distributed.nn.functional, whose functions take the default process group as a
+# default argument. Bound after init_process_group, they would keep the group, and its gloo threads,
+# alive past destroy_process_group, and a gloo thread still releasing the last collective's tensors
+# while the interpreter shuts down aborts the process at exit ("terminate called without an active
+# exception", SIGABRT)
+import torch._dynamo  # noqa: F401
 import torch.nn as nn
 import tqdm
 import tyro

@@ -120,6 +120,31 @@ def test_launch_across_machines(workdir):
     check_both_processes(summary, 512)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the process's thread names from Linux's /proc")
+@pytest.mark.parametrize("name", [MULTI, MULTI_TWIN])
+def test_process_group_is_released_at_the_end(name, workdir):
+    """When main() returns, the process group is gone, gloo's threads with it. A gloo thread left
+    alive can still be releasing the last collective's tensors when the interpreter shuts down, and
+    that aborts the process (SIGABRT after the summary: CI saw it once in a few runs of two
+    processes). It stays alive when torch.distributed.nn.functional is first imported after
+    init_process_group, so this runs in a fresh interpreter: the import order is what is tested."""
+    flags = [*SHORT, "--total-timesteps", 128, "--eval-episodes", 0]
+    code = "\n".join([
+        "import json, os, sys, tyro",
+        f"sys.path.insert(0, {str(LEANRL)!r})",
+        f"import {name} as script",
+        f"script.main(tyro.cli(script.Args, args={list(map(str, flags))!r}))",
+        "print(json.dumps(sorted(open(f'/proc/self/task/{t}/comm').read().strip() for t in os.listdir('/proc/self/task'))))",
+    ])
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=workdir, env={**env, "WANDB_MODE": "disabled"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert json.loads(lines[-2])["global_step"] == 128
+    threads = json.loads(lines[-1])
+    assert threads and not [t for t in threads if "gloo" in t], threads
+
+
 def test_machines_with_different_commands_stop_with_one_line(workdir):
     """Two machines (two torchrun agents) launched with different seeds: every process stops before
     training, and rank 0 names the argument that differs."""
