@@ -529,6 +529,7 @@ def main(args: Args) -> dict:
     launch["resume"] = checkpoint["global_step"] if checkpoint is not None else None  # the path may differ between machines
     differing = sorted({k for other in all_gather(launch, world_size) for k in launch if other[k] != launch[k]})
     if differing:
+        dist.destroy_process_group()  # every process stops here: leave the group first, as at the end
         fail(f"the processes were launched with different {', '.join('--' + k.replace('_', '-') for k in differing)}: give every machine the same command")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
