@@ -91,9 +91,9 @@ def test_two_processes(name, flags, workdir):
 def test_learns_breakout_on_two_processes(workdir):
     """CleanRL's Atari setting split over 2 processes (4 games each, so 8 in all, the batch of the
     single-process script): the whole-game score climbs as ppo_atari_envpool.py's does in the same
-    200,000 steps at a constant learning rate (5.8 and 7.5 there on seeds 1 and 2). One seed is too
-    noisy a measure at this budget (here seed 1 ends at 2.2, seed 2 at 10.0), so the check is the
-    mean of two. About 10 minutes a seed on 2 cores, so it runs only when asked for:
+    200,000 steps at a constant learning rate (5.8, 7.5 and 8.1 there on seeds 1-3). One seed is too
+    noisy a measure at this budget (here seed 1 ends at 2.2, seed 2 at 10.0, seed 3 at 6.5), so the
+    check is the mean of two. About 10 minutes a seed on 2 cores, so it runs only when asked for:
     python -m pytest tests -m slow"""
     returns = []
     for seed in (1, 2):
