@@ -144,7 +144,10 @@ def note(message: str):
 
 def fail(message: str):
     """Stops with a one-line message and exit code 2: bad input never ends in a traceback. Every
-    process stops (they all check the same input); rank 0 says why."""
+    process stops (they all check the same input); rank 0 says why. A process that has joined the
+    group leaves it first, as a finished run does (see the import of torch._dynamo)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
     note(f"error: {message}")
     sys.exit(2)
 
@@ -529,7 +532,6 @@ def main(args: Args) -> dict:
     launch["resume"] = checkpoint["global_step"] if checkpoint is not None else None  # the path may differ between machines
     differing = sorted({k for other in all_gather(launch, world_size) for k in launch if other[k] != launch[k]})
     if differing:
-        dist.destroy_process_group()  # every process stops here: leave the group first, as at the end
         fail(f"the processes were launched with different {', '.join('--' + k.replace('_', '-') for k in differing)}: give every machine the same command")
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -788,7 +790,7 @@ def main(args: Args) -> dict:
     # torchrun not after a signal either (also one that came after the last iteration): torchrun kills
     # its processes 30 s (its --shutdown-timeout) after passing a signal on
     eval_return = None
-    if args.eval_episodes > 0 and not diverged and "RANK" in os.environ and (stopping or stop_signal) is not None:
+    if args.eval_episodes > 0 and not diverged and "RANK" in os.environ and (stopping is not None or stop_signal is not None):
         note("note: a run under torchrun is not evaluated after a signal (torchrun kills its processes 30 s after one)")
     elif args.eval_episodes > 0 and not diverged and rank == 0:
         eval_return = evaluate(args, agent.state_dict(), n_act, device, memory_format)
