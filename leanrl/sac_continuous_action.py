@@ -12,10 +12,11 @@ import copy
 import csv
 import dataclasses
 import difflib
+import importlib.util
+import itertools
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
@@ -41,7 +42,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
-    """if toggled, cuda will be used when available (the script falls back to the CPU with a note)"""
+    """if toggled, cuda will be used when available (else the CPU, with a note)"""
     track: bool = False
     """if toggled, this experiment will be tracked with Weights and Biases (honours WANDB_MODE)"""
     wandb_project_name: str = "leanrl"
@@ -51,13 +52,13 @@ class Args:
     capture_video: bool = False
     """whether to capture videos of the agent performances (check out `videos` folder; needs moviepy)"""
     save_model: bool = False
-    """whether to save a checkpoint (weights, optimiser state, RNG states, step, args) to runs/{run_name}/checkpoint.pt at the end"""
+    """whether to save a checkpoint (weights, optimisers, RNG, step, args) to runs/{run_name}/checkpoint.pt"""
     checkpoint_every: int = 0
     """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
     resume: Optional[str] = None
-    """a checkpoint.pt to continue from to its own --total-timesteps (env, seed, budget and hyper-parameters come from the checkpoint); the replay buffer is not saved: after a resume the restored policy refills it for --learning-starts steps (counted in the budget) before updates start again"""
+    """a checkpoint.pt to continue: its env, seed and hyper-parameters; a larger --total-timesteps extends the run"""
     eval_episodes: Optional[int] = None
-    """episodes to evaluate the final policy deterministically (mean action / argmax) after training; default 10 with --save-model, else 0"""
+    """episodes to evaluate the deterministic final policy; default 10 with --save-model, else 0"""
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v5"
@@ -75,7 +76,7 @@ class Args:
     batch_size: int = 256
     """the batch size of sample from the replay memory"""
     learning_starts: int = 5_000
-    """timestep to start learning (actions are uniformly random until then)"""
+    """steps of uniformly random actions before learning (after --resume the restored policy refills the buffer)"""
     policy_lr: float = 3e-4
     """the learning rate of the policy network optimizer"""
     q_lr: float = 1e-3
@@ -96,132 +97,6 @@ class Args:
     """iterations between two reads of the losses (each read synchronises host and device)"""
 
 
-# what a resumed run takes from its command line; the rest (env, seed, budget, hyper-parameters) comes from the checkpoint
-SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model", "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
-
-
-def fail(message: str):
-    """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def save_checkpoint(path, checkpoint):
-    """Writes to a temporary file beside `path`, then renames it over `path`: the rename is atomic, so
-    a kill mid-write leaves the previous checkpoint whole."""
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def load_checkpoint(path):
-    """Reads a checkpoint that this script wrote; anything else ends in a one-line error. weights_only:
-    tensors, numbers and strings only, so loading runs no code from the file."""
-    script = os.path.basename(__file__)
-    if not os.path.isfile(path):
-        fail(f"--resume {path}: no such file (a run writes runs/<run_name>/checkpoint.pt when given --save-model)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated by a kill, or not a torch file
-        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
-    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
-    if writer != script:
-        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
-    return checkpoint
-
-
-def resume_args(args, checkpoint):
-    """The checkpoint's run arguments, with this command line's session flags."""
-    saved = checkpoint["args"]
-    for name, value in vars(args).items():
-        if name not in SESSION_FLAGS and name in saved and value != saved[name] and value != getattr(Args, name, None):
-            print(f"note: --resume continues the checkpoint's run: --{name.replace('_', '-')} stays {saved[name]}", file=sys.stderr)
-    return Args(**{name: value if name in SESSION_FLAGS or name not in saved else saved[name] for name, value in vars(args).items()})
-
-
-def rng_states():
-    """Python's, numpy's and torch's generators, in types that torch.load(weights_only=True) reads."""
-    np_state = np.random.get_state(legacy=False)
-    return {
-        "python": random.getstate(),
-        "numpy": (torch.from_numpy(np_state["state"]["key"].astype(np.int64)), np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_states(states):
-    random.setstate(states["python"])
-    key, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def check_args(args: Args):
-    for name in ("total_timesteps", "num_envs", "buffer_size", "batch_size", "policy_frequency", "target_network_frequency"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.seed < 2**32:  # numpy's seed range
-        fail(f"--seed must lie in [0, 2**32), got {args.seed}")
-    if args.learning_starts < 0:
-        fail(f"--learning-starts must be >= 0, got {args.learning_starts}")
-    if args.total_timesteps // args.num_envs <= args.learning_starts // args.num_envs:
-        fail(
-            f"--total-timesteps ({args.total_timesteps}) must be larger than --learning-starts "
-            f"({args.learning_starts}), or no update ever runs: raise the budget or lower --learning-starts"
-        )
-    if args.batch_size > args.buffer_size:
-        fail(f"--batch-size ({args.batch_size}) is larger than --buffer-size ({args.buffer_size}): lower it or grow the buffer")
-    if args.buffer_size % args.num_envs:
-        fail(f"--buffer-size ({args.buffer_size}) must be a multiple of --num-envs ({args.num_envs})")
-    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.tau <= 1.0):  # also false for nan
-        fail(f"--gamma ({args.gamma}) and --tau ({args.tau}) must lie in [0, 1]")
-    for name in ("policy_lr", "q_lr"):
-        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
-            fail(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
-    if not (math.isfinite(args.alpha) and args.alpha >= 0):
-        fail(f"--alpha must be a non-negative number, got {args.alpha}")
-    if args.measure_burnin < 0 or args.log_every <= 0:
-        fail("--measure-burnin must be >= 0 and --log-every positive")
-    if args.checkpoint_every < 0:
-        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    if args.checkpoint_every > 0 and not args.save_model:
-        fail("--checkpoint-every needs --save-model")
-    if args.eval_episodes is not None and args.eval_episodes < 0:
-        fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
-    if args.capture_video:
-        try:  # checked before any work, not found out when the first video is written
-            os.makedirs("videos", exist_ok=True)
-            writable = os.access("videos", os.W_OK)
-        except OSError:  # e.g. a file named videos
-            writable = False
-        if not writable:
-            fail("--capture-video writes to videos/, which cannot be written here: run from a writable folder")
-        try:
-            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
-        except ImportError:
-            fail("--capture-video needs moviepy: pip install moviepy")
-    try:
-        gym.spec(args.env_id)
-    except gym.error.Error:
-        close = difflib.get_close_matches(args.env_id, list(gym.registry), n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else "pick one from gymnasium.registry"
-        fail(f"unknown env id {args.env_id!r}: {hint}")
-    try:
-        env = gym.make(args.env_id)
-    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
-        fail(f"cannot make {args.env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    act_space, obs_space = env.action_space, env.observation_space
-    env.close()
-    if not isinstance(act_space, gym.spaces.Box):
-        fail(f"SAC needs a continuous (Box) action space, but {args.env_id} has {act_space}: use a discrete-action script such as DQN or PPO")
-    if not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()):
-        fail(f"SAC squashes actions into the action bounds, but {args.env_id} has infinite bounds: wrap it in gymnasium.wrappers.RescaleAction")
-    if not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1:
-        fail(f"SAC's MLPs need a flat Box observation space, but {args.env_id} has {obs_space}: wrap it in gymnasium.wrappers.FlattenObservation")
-
-
 def make_env(env_id, seed, idx, capture_video, run_name):
     def thunk():
         if capture_video and idx == 0:
@@ -236,15 +111,15 @@ def make_env(env_id, seed, idx, capture_video, run_name):
 
 
 def transition_rows(obs, actions, rewards, next_obs, terminations, infos):
-    """The replay rows (num_envs, obs + act + 1 + obs + 1), float32, of one vector step. Same-step
-    autoreset returns the reset observation as next_obs of an env whose episode just ended and puts
-    the true last one in infos["final_obs"]: that is the one to store, so no transition crosses a
-    reset. Only terminations are stored as dones: a time-limit truncation still bootstraps."""
+    """The replay rows (num_envs, obs + act + 1 + obs + 1), float32, of one vector step. An env whose episode just
+    ended returns its reset observation as next_obs and the true last one in infos["final_obs"]: that is the one
+    to store. Only terminations are stored as dones: a time-limit truncation still bootstraps."""
     real_next_obs = next_obs.copy()
     if "final_obs" in infos:
         for i in np.flatnonzero(infos["_final_obs"]):
             real_next_obs[i] = infos["final_obs"][i]
-    return np.concatenate([obs, actions, rewards[:, None], real_next_obs, terminations[:, None]], axis=1, dtype=np.float32)
+    rows = [obs, actions, rewards[:, None], real_next_obs, terminations[:, None]]
+    return np.concatenate(rows, axis=1, dtype=np.float32)
 
 
 class SoftQNetwork(nn.Module):
@@ -350,169 +225,118 @@ def make_updates(args, actor, qf1, qf2, qf1_target, qf2_target, log_alpha, targe
     def update_targets():
         torch._foreach_lerp_(q_target_params, q_params, args.tau)  # Polyak: t += tau * (p - t)
 
-    return (q_optimizer, actor_optimizer, a_optimizer), (update_critic, update_actor, update_targets)
+    optimizers = {"q_optimizer": q_optimizer, "actor_optimizer": actor_optimizer}
+    if a_optimizer is not None:
+        optimizers["a_optimizer"] = a_optimizer
+    return optimizers, (update_critic, update_actor, update_targets)
 
 
-def evaluate(args, actor_state, device):
-    """Mean return of --eval-episodes episodes of the deterministic policy (the squashed mean), played
-    by a fresh copy of the actor in a fresh env seeded seed + 100_000 + i, so evaluation is reproducible."""
-    env = gym.make(args.env_id)
-    actor = Actor(math.prod(env.observation_space.shape), env.action_space, device=device)
-    actor.load_state_dict(actor_state)
-    total = 0.0
+@torch.no_grad()
+def evaluate(args, actor, device):
+    """Mean return of --eval-episodes episodes of the deterministic policy (the squashed mean), in a fresh env
+    seeded seed + 100_000 + i: reproducible, and apart from the training episodes."""
+    env, returns = gym.make(args.env_id), []
     for i in range(args.eval_episodes):
         obs, _ = env.reset(seed=args.seed + 100_000 + i)
+        returns.append(0.0)
         done = False
         while not done:
-            with torch.no_grad():
-                _, _, action = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device)[None])
+            _, _, action = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device)[None])
             obs, reward, terminated, truncated, _ = env.step(action[0].cpu().numpy())
-            total += float(reward)
+            returns[-1] += float(reward)
             done = terminated or truncated
     env.close()
-    return total / args.eval_episodes
+    return float(np.mean(returns))
+
+
+def arg_errors(args):
+    """This script's checks, in order, after the shared ones: (the input is wrong, a message that names the fix)."""
+    for name in ("num_envs", "buffer_size", "batch_size", "policy_frequency", "target_network_frequency"):
+        yield getattr(args, name) <= 0, f"{flag(name)} must be positive, got {getattr(args, name)}"
+    yield args.learning_starts < 0, f"--learning-starts must be >= 0, got {args.learning_starts}"
+    yield args.total_timesteps // args.num_envs <= args.learning_starts // args.num_envs, (
+        f"--total-timesteps ({args.total_timesteps}) must be larger than --learning-starts ({args.learning_starts}), "
+        "or no update ever runs: raise the budget or lower --learning-starts")
+    yield args.batch_size > args.buffer_size, (
+        f"--batch-size ({args.batch_size}) is larger than --buffer-size ({args.buffer_size}): lower it or grow the "
+        "buffer")
+    yield args.buffer_size % args.num_envs != 0, (
+        f"--buffer-size ({args.buffer_size}) must be a multiple of --num-envs ({args.num_envs})")
+    yield not (0 <= args.gamma <= 1 and 0 <= args.tau <= 1), (  # also false for nan
+        f"--gamma ({args.gamma}) and --tau ({args.tau}) must lie in [0, 1]")
+    for name in ("policy_lr", "q_lr"):
+        yield not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0), (
+            f"{flag(name)} must be a positive number, got {getattr(args, name)}")
+    yield not (math.isfinite(args.alpha) and args.alpha >= 0), (
+        f"--alpha must be a non-negative number, got {args.alpha}")
+    obs_space, act_space = env_spaces(args.env_id)
+    yield not isinstance(act_space, gym.spaces.Box), (
+        f"SAC needs a continuous (Box) action space, but {args.env_id} has {act_space}: use DQN or PPO")
+    yield not (np.isfinite(act_space.low).all() and np.isfinite(act_space.high).all()), (
+        f"SAC squashes actions into the action bounds, but {args.env_id} has infinite bounds: "
+        "wrap it in gymnasium.wrappers.RescaleAction")
+    yield not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1, (
+        f"SAC's MLPs need a flat Box observation space, but {args.env_id} has {obs_space}: "
+        "wrap it in gymnasium.wrappers.FlattenObservation")
 
 
 def main(args: Args) -> dict:
-    checkpoint = load_checkpoint(args.resume) if args.resume else None
-    if checkpoint is not None:
-        args = resume_args(args, checkpoint)
-    check_args(args)
-    if args.eval_episodes is None:
-        args.eval_episodes = 10 if args.save_model else 0
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-
-    # SEEDING AND DEVICE
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    if args.cuda and not torch.cuda.is_available():
-        print("note: CUDA is not available, running on the CPU", file=sys.stderr)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-
-    wandb = None
-    if args.track:
-        import wandb  # only imported when asked for: no account or network needed otherwise
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    # ENVIRONMENTS: same-step autoreset puts the true last observation of a finished episode in
-    # infos["final_obs"] and returns the reset observation as next_obs, so no transition crosses a reset
+    # SETUP: the arguments checked (a --resume checkpoint's first), torch seeded, the device picked
+    run = Run(args, arg_errors)
+    args, device = run.args, run.device
+    # same-step autoreset puts the true last observation of a finished episode in infos["final_obs"] and
+    # returns the reset observation as next_obs, so no stored transition crosses a reset
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed + i, i, args.capture_video, run_name) for i in range(args.num_envs)],
+        [make_env(args.env_id, args.seed + i, i, args.capture_video, run.name) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
 
-    # AGENT
     actor = Actor(n_obs, envs.single_action_space, device=device)
     qf1 = SoftQNetwork(n_obs, n_act, device=device)
     qf2 = SoftQNetwork(n_obs, n_act, device=device)
     qf1_target = copy.deepcopy(qf1)
     qf2_target = copy.deepcopy(qf2)
     # with autotune alpha starts at 1 (log_alpha = 0), as in CleanRL; otherwise it stays at --alpha
-    log_alpha = torch.tensor(0.0 if args.autotune else math.log(max(args.alpha, 1e-30)), device=device, requires_grad=args.autotune)
-    target_entropy = -float(n_act)
+    log_alpha = torch.tensor(math.log(1.0 if args.autotune else max(args.alpha, 1e-30)), device=device)
+    log_alpha.requires_grad_(args.autotune)
     optimizers, (update_critic, update_actor, update_targets) = make_updates(
-        args, actor, qf1, qf2, qf1_target, qf2_target, log_alpha, target_entropy
+        args, actor, qf1, qf2, qf1_target, qf2_target, log_alpha, target_entropy=-float(n_act)
     )
-    # the learner's tensors by module (state_dict views, sharing storage): the checkpoint's model
-    learner = {"actor": actor.state_dict(), "qf1": qf1.state_dict(), "qf2": qf2.state_dict(), "qf1_target": qf1_target.state_dict(), "qf2_target": qf2_target.state_dict()}
-    learner["alpha"] = {"log_alpha": log_alpha.detach()}
+    nets = {"actor": actor, "qf1": qf1, "qf2": qf2, "qf1_target": qf1_target, "qf2_target": qf2_target}
 
-    # RESUME: in place (copy_ into the views above, the optimisers' own load_state_dict), so the
-    # optimisers and any compiled graph keep the tensors they hold; the RNG states last
-    returns = deque(maxlen=10)  # the last 10 finished episodes
-    episodes, global_step = 0, 0
-    if checkpoint is not None:
-        with torch.no_grad():
-            for name, tensors in learner.items():
-                for key, tensor in tensors.items():
-                    tensor.copy_(checkpoint["model"][name][key])
-        for name, optimizer in zip(("q", "actor", "alpha"), optimizers):
-            if optimizer is not None:
-                optimizer.load_state_dict(checkpoint["optimizer"][name])
-        episodes, global_step = checkpoint["episodes"], checkpoint["global_step"]
-        returns.extend(checkpoint["returns"])
-        set_rng_states(checkpoint["rng"])
-
-    def make_checkpoint():
-        return {
-            "script": os.path.basename(__file__),
-            "args": dataclasses.asdict(args),
-            "global_step": global_step,
-            "episodes": episodes,
-            "returns": list(returns),
-            "rng": rng_states(),
-            "model": learner,
-            "optimizer": {name: optimizer.state_dict() for name, optimizer in zip(("q", "actor", "alpha"), optimizers) if optimizer is not None},
-        }
-
-    # REPLAY BUFFER: one float32 table on the device, a row (obs, action, reward, next_obs, termination)
-    # per transition, so storing costs one host-to-device copy and sampling one gather
+    # REPLAY BUFFER: one float32 table on the device, a row (obs, action, reward, next_obs, termination) per
+    # transition, so storing costs one host-to-device copy and sampling one gather. It is not checkpointed: a
+    # resumed run refills it with its restored policy for --learning-starts steps before updating again
     fields = [n_obs, n_act, 1, n_obs, 1]
     try:
         rb = torch.zeros((args.buffer_size, sum(fields)), dtype=torch.float32, device=device)
     except (RuntimeError, MemoryError):  # out of memory: a plain message, not an allocator traceback
-        fail(f"no room for a replay buffer of {args.buffer_size * sum(fields) * 4 / 2**30:.1f} GiB on {device}: lower --buffer-size")
+        fail(f"no room for a {args.buffer_size * sum(fields) * 4 / 2**30:.1f} GiB replay buffer on {device}: "
+             "lower --buffer-size")
     rb_pos, rb_size = 0, 0
 
-    # CURVE: every logged point also goes to runs/<run_name>/metrics.csv (line-buffered, an empty
-    # cell where there is no value yet), so that curves can be plotted without wandb
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    metrics_file = open(f"runs/{run_name}/metrics.csv", "w", newline="", buffering=1)
-    metrics = csv.DictWriter(metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps", "qf_loss", "actor_loss", "alpha"], lineterminator="\n")
-    metrics.writeheader()
-
-    # TRAINING LOOP: a resumed run plays fresh episodes (seeded past the first ones) and, as its replay
-    # buffer was not saved, refills it with its restored policy for --learning-starts steps
+    run.start({**nets, "log_alpha": log_alpha, **optimizers}, losses=("qf_loss", "actor_loss", "alpha"))
     num_iterations = args.total_timesteps // args.num_envs
-    start_iteration = global_step // args.num_envs
-    first_update = start_iteration + args.learning_starts // args.num_envs  # iterations before the first update
-    steady_from = min(first_update + args.measure_burnin, num_iterations)
-    start_time = time.perf_counter()
-    burnin_start = steady_start = None
-    qf_loss = actor_loss = alpha = None
-    checkpoint_path, last_saved, saved, diverged = f"runs/{run_name}/checkpoint.pt", global_step, False, None
-    obs, _ = envs.reset(seed=args.seed + global_step)
-
-    # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
-    # (with --save-model) and summarises; a second signal stops at once
-    stop_signal = None
-
-    def request_stop(signum, frame):
-        nonlocal stop_signal
-        stop_signal = signum
-        signal.signal(signum, signal.SIG_DFL)
-
-    previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    pbar = tqdm.tqdm(range(start_iteration, num_iterations), file=sys.stderr, mininterval=1.0)
-    for iteration in pbar:
-        if iteration == first_update:
-            burnin_start = time.perf_counter()
-        if iteration == steady_from:
-            steady_start, steady_step = time.perf_counter(), global_step
-        global_step += args.num_envs
-
-        # ACT: uniformly random until learning starts (a resumed run's restored policy refills the buffer),
-        # then sampled from the policy
-        if iteration < first_update and checkpoint is None:
+    first_update = run.global_step // args.num_envs + args.learning_starts // args.num_envs
+    obs, _ = envs.reset(seed=args.seed + run.global_step)  # a resumed run plays new episodes
+    for iteration in run.iterations(num_iterations, args.num_envs, first_update):
+        # ACT: uniformly random until learning starts, then sampled from the policy
+        if iteration < first_update and not run.resumed:
             actions = envs.action_space.sample()
         else:
             with torch.no_grad():
                 actions, _, _ = actor.get_action(torch.as_tensor(obs, dtype=torch.float32, device=device))
             actions = actions.cpu().numpy()
+
+        # STEP
         next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-
         if "episode" in infos:
-            for r in infos["episode"]["r"][infos["_episode"]]:
-                returns.append(float(r))
-                episodes += 1
+            run.episodes_done(infos["episode"]["r"][infos["_episode"]])
 
-        # STORE TRANSITION
+        # STORE
         rows = transition_rows(obs, actions, rewards, next_obs, terminations, infos)
         rb[rb_pos : rb_pos + args.num_envs].copy_(torch.from_numpy(rows))
         rb_pos = (rb_pos + args.num_envs) % args.buffer_size
@@ -523,88 +347,270 @@ def main(args: Args) -> dict:
         if iteration >= first_update:
             idx = torch.randint(0, rb_size, (args.batch_size,), device=device)
             data = rb[idx].split(fields, dim=1)  # obs, actions, rewards, next_obs, dones
-            qf_loss = update_critic(*data)
+            run.log(qf_loss=update_critic(*data))
             if iteration % args.policy_frequency == 0:
                 for _ in range(args.policy_frequency):  # compensates for the delay (CleanRL)
                     actor_loss, alpha = update_actor(data[0])
+                run.log(actor_loss=actor_loss, alpha=alpha)
             if iteration % args.target_network_frequency == 0:
                 update_targets()
 
-        # LOG: the only place losses reach the host; a periodic checkpoint first checks they are finite
-        checkpoint_due = args.save_model and args.checkpoint_every > 0 and global_step // args.checkpoint_every > last_saved // args.checkpoint_every
-        stopping = stop_signal is not None  # read once: a signal after this line stops the next iteration
-        if iteration % args.log_every == 0 or iteration == num_iterations - 1 or checkpoint_due or stopping:
-            sps = None
-            if steady_start is not None and global_step > steady_step:
-                sps = (global_step - steady_step) / (time.perf_counter() - steady_start)
-            logs = {"episodic_return": float(np.mean(returns)) if returns else None, "sps": sps}
-            if actor_loss is not None:
-                logs.update(qf_loss=qf_loss.item(), actor_loss=actor_loss.item(), alpha=alpha.item())
-            diverged = next((name for name in ("qf_loss", "actor_loss", "alpha") if name in logs and not math.isfinite(logs[name])), None)
-            pbar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
-            metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
-            if wandb is not None:
-                wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
-        if diverged is not None:
-            break
-        if checkpoint_due:
-            save_checkpoint(checkpoint_path, make_checkpoint())
-            last_saved, saved = global_step, True
-        if stopping:
-            break
-    pbar.close()
-    for s, h in previous_handlers.items():
-        signal.signal(s, h)
-    if start_iteration >= num_iterations:  # a finished run resumed: its curve still ends at its last step
-        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), "episodic_return": float(np.mean(returns)) if returns else None})
-    metrics_file.close()
+    # LOG: the final checkpoint and evaluation, the summary
     envs.close()
-    if diverged is not None:
-        where = f"the last checkpoint, {checkpoint_path}, is intact" if saved else "no checkpoint was saved"
-        print(f"error: {diverged} is {logs[diverged]} at global step {global_step}: the run diverged; {where}", file=sys.stderr)
-    elif args.save_model:
-        save_checkpoint(checkpoint_path, make_checkpoint())
-        saved = True
-    # EVALUATION: the final policy, also after an interrupt, never after a divergence
-    eval_return = evaluate(args, actor.state_dict(), device) if args.eval_episodes > 0 and diverged is None else None
+    return run.finish(lambda: evaluate(args, actor, device))
 
-    # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
-    end_time = time.perf_counter()
-    steady = steady_start is not None and global_step > steady_step
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": False,
-        "cudagraphs": False,
-        "device": str(device),
-        "torch": torch.__version__,
-        "global_step": global_step,
-        "wall_seconds": round(end_time - start_time, 3),
-        # wall time of the first --measure-burnin training iterations: compile and warm-up live here
-        "compile_seconds": round((steady_start if steady_start is not None else end_time) - burnin_start, 3) if burnin_start is not None else None,
-        "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
-        "episodic_return": float(np.mean(returns)) if returns and np.isfinite(returns).all() else None,
-        "episodes": episodes,
-        # a diverged (non-finite) loss is null: NaN is not JSON
-        "losses": {k: v.item() if torch.isfinite(v) else None for k, v in (("qf_loss", qf_loss), ("actor_loss", actor_loss), ("alpha", alpha)) if v is not None},
-        "run_name": run_name,
-        "checkpoint": checkpoint_path if saved else None,
-        "eval_return": eval_return,
-        "eval_episodes": args.eval_episodes,
-        "interrupted": stop_signal is not None,
-        "diverged": diverged is not None,
-        "resumed_from": args.resume,
-        "exit_code": 1 if diverged is not None else 128 + stop_signal if stop_signal is not None else 0,
-    }
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    with open(f"runs/{run_name}/summary.json", "w") as f:
-        json.dump(summary, f)
-    if wandb is not None:
-        wandb.summary.update(summary)
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
-    return summary
+
+# ==================================================================================================================
+# PLUMBING: the same in every script under leanrl/, byte for byte (tests/test_meta.py compares them), and none of it
+# changes what the algorithm computes: argument checks, checkpoints, signals, and the run record (progress bar,
+# metrics.csv, wandb, timing, the JSON summary).
+# ==================================================================================================================
+
+# what a resumed run takes from its own command line; the other arguments come from the checkpoint
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model",
+                 "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+
+
+def fail(message):  # bad input ends in one line and exit code 2, never in a traceback
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def env_spaces(env_id):
+    """The (observation, action) spaces of a gymnasium env, or a one-line error that names the fix."""
+    try:
+        gym.spec(env_id)
+    except gym.error.Error:
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
+        fail(f"unknown env id {env_id!r}: " + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
+    try:
+        env = gym.make(env_id)
+    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
+        fail(f"cannot make {env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    env.close()
+    return env.observation_space, env.action_space
+
+
+def shared_arg_errors(args, checkpoint):
+    step = checkpoint["global_step"] if checkpoint else 0
+    yield args.total_timesteps <= 0, f"--total-timesteps must be positive, got {args.total_timesteps}"
+    yield args.total_timesteps < step, (f"--total-timesteps {args.total_timesteps} ends before the checkpoint's "
+                                        f"step {step}: give {step} or more (more extends the run)")
+    yield not 0 <= args.seed < 2**32, f"--seed must lie in [0, 2**32), got {args.seed}"  # gymnasium's seeds
+    yield args.measure_burnin < 0 or args.log_every <= 0, "--measure-burnin must be >= 0 and --log-every positive"
+    yield args.checkpoint_every < 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
+    yield args.checkpoint_every > 0 and not args.save_model, "--checkpoint-every needs --save-model"
+    yield (args.eval_episodes or 0) < 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"
+    if args.capture_video:  # found out now, not when the first video is written
+        try:
+            os.makedirs("videos", exist_ok=True)
+            writable = os.access("videos", os.W_OK)
+        except OSError:  # e.g. a file named videos
+            writable = False
+        yield not writable, "--capture-video writes to videos/, which cannot be written here: run from a writable " \
+            "folder"
+        yield importlib.util.find_spec("moviepy") is None, "--capture-video needs moviepy: pip install moviepy"
+
+
+def load_checkpoint(path):
+    """A checkpoint that this script wrote, or a one-line error; weights_only: loading runs no code from the file."""
+    script = os.path.basename(__file__)
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file (a run writes runs/<run_name>/checkpoint.pt when given --save-model)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated by a kill, or not a torch file
+        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
+    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if writer != script or "state" not in checkpoint:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script"
+             if writer != script else f"--resume {path} was written by an older {script}: resume it with that version")
+    return checkpoint
+
+
+def resume_args(args, checkpoint):
+    """The checkpoint's run arguments with this command line's session flags and, if given (not at its default),
+    its --total-timesteps: the run then continues to that step."""
+    merged = {}
+    for name, value in vars(args).items():
+        given, saved = value != getattr(Args, name, None), checkpoint["args"].get(name, value)
+        merged[name] = value if name in SESSION_FLAGS or (name == "total_timesteps" and given) else saved
+        if given and merged[name] != value:
+            print(f"note: --resume continues the checkpoint's run: {flag(name)} stays {saved}", file=sys.stderr)
+    return Args(**merged)
+
+
+class Run:
+    """The run around the algorithm. Run(args, arg_errors) checks the arguments (a --resume checkpoint's first),
+    seeds torch and picks the device; start() restores the checkpoint and opens the record; iterations() drives
+    the loop; log() keeps the latest losses; finish() saves, evaluates and writes the summary."""
+
+    def __init__(self, args, arg_errors):
+        self.checkpoint = load_checkpoint(args.resume) if args.resume else None
+        args = resume_args(args, self.checkpoint) if self.checkpoint else args
+        for wrong, message in itertools.chain(shared_arg_errors(args, self.checkpoint), arg_errors(args)):
+            if wrong:  # in order: a row may assume that the rows before it hold
+                fail(message)
+        if args.eval_episodes is None:
+            args.eval_episodes = 10 if args.save_model else 0
+        torch.manual_seed(args.seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        if args.cuda and not torch.cuda.is_available():
+            print("note: CUDA is not available, running on the CPU", file=sys.stderr)
+        self.device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+        if getattr(args, "cudagraphs", False) and self.device.type != "cuda":
+            print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
+            args.cudagraphs = False
+        self.args, self.resumed, self.name = args, self.checkpoint is not None, f"{args.env_id}__{args.exp_name}__" \
+            f"{args.seed}__{int(time.time())}"
+        self.path, self.global_step, self.episodes, self.returns = f"runs/{self.name}", 0, 0, deque(maxlen=10)
+        self.losses, self.diverged, self.stop_signal, self.saved, self.logged_step = {}, None, None, False, None
+
+    def start(self, state, losses):
+        """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
+        CUDA graphs keep the tensors they hold; opens runs/<run_name>/metrics.csv and wandb."""
+        self.state = state
+        if self.checkpoint:
+            with torch.no_grad():
+                for name, obj in state.items():
+                    if isinstance(obj, torch.Tensor):
+                        obj.copy_(self.checkpoint["state"][name])
+                    else:
+                        capturable = [group.get("capturable") for group in getattr(obj, "param_groups", [])]
+                        obj.load_state_dict(self.checkpoint["state"][name])
+                        for group, value in zip(getattr(obj, "param_groups", []), capturable):
+                            group["capturable"] = value  # this run's --cudagraphs, not the saved run's
+            self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
+            self.returns.extend(self.checkpoint["returns"])
+            torch.set_rng_state(self.checkpoint["rng"]["torch"])
+            if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
+        os.makedirs(self.path, exist_ok=True)
+        self.metrics_file = open(f"{self.path}/metrics.csv", "w", newline="", buffering=1)  # a kill loses no row
+        self.metrics = csv.DictWriter(self.metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps",
+                                                          *losses], lineterminator="\n")
+        self.metrics.writeheader()
+        self.wandb = None
+        if self.args.track:
+            import wandb  # only when asked for: no account or network needed otherwise
+
+            self.wandb = wandb
+            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, config=vars(self.args),
+                       name=self.name, save_code=True)
+
+    def iterations(self, num_iterations, steps_per_iteration, first_update):
+        """The iterations left to train. After each: the losses are read (a host-device sync) every --log-every, at
+        the end, before a checkpoint and at a stop; the periodic checkpoint; the end of the loop at a non-finite
+        loss or a signal (Ctrl-C or SIGTERM lets the iteration finish, a second one stops at once). Iterations from
+        first_update on are burn-in (compile, warm-up) for --measure-burnin, then steady state (sps)."""
+        args, saved_step = self.args, self.global_step
+        every = args.checkpoint_every if args.save_model else 0
+        steady_from = min(first_update + args.measure_burnin, num_iterations)
+        self.start_time, self.burnin_start, self.steady_start, self.steady_step = time.perf_counter(), None, None, 0
+        handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.bar = tqdm.tqdm(range(self.global_step // steps_per_iteration, num_iterations), file=sys.stderr,
+                             mininterval=1.0)
+        try:
+            for iteration in self.bar:
+                if iteration == first_update:
+                    self.burnin_start = time.perf_counter()
+                if iteration == steady_from:
+                    self.steady_start, self.steady_step = time.perf_counter(), self.global_step
+                self.global_step += steps_per_iteration
+                yield iteration
+                due = every > 0 and self.global_step // every > saved_step // every
+                stopping = self.stop_signal is not None  # read once: a later signal stops the next iteration
+                if iteration % args.log_every == 0 or iteration == num_iterations - 1 or due or stopping:
+                    self.write_row()
+                if self.diverged or stopping:  # never a checkpoint of diverged weights
+                    break
+                if due:
+                    self.save()
+                    saved_step = self.global_step
+        finally:
+            self.end_time = time.perf_counter()
+            self.bar.close()
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+
+    def request_stop(self, signum, frame):
+        self.stop_signal = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    def episodes_done(self, returns):
+        self.returns.extend(float(r) for r in returns)
+        self.episodes += len(returns)
+
+    def log(self, **losses):  # the latest losses, device tensors: iterations() reads them at its log points
+        self.losses.update((name, value) for name, value in losses.items() if value is not None)
+
+    def write_row(self):
+        now, logs = time.perf_counter(), {"episodic_return": float(np.mean(self.returns)) if self.returns else None}
+        steady = self.steady_start is not None and self.global_step > self.steady_step
+        logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
+        logs.update((name, value.item()) for name, value in self.losses.items())
+        self.diverged = next(((k, logs[k]) for k in self.losses if not math.isfinite(logs[k])), None)
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
+        self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
+                               **logs})
+        if self.wandb:
+            self.wandb.log({k: v for k, v in logs.items() if v is not None}, step=self.global_step)
+        self.logged_step = self.global_step
+
+    def save(self):  # beside the checkpoint, then renamed over it: a kill mid-write leaves the last one whole
+        torch.save({"script": os.path.basename(__file__), "args": dataclasses.asdict(self.args),
+                    "global_step": self.global_step, "episodes": self.episodes, "returns": list(self.returns),
+                    "rng": {"torch": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                    "state": {k: v.detach() if isinstance(v, torch.Tensor) else v.state_dict()
+                              for k, v in self.state.items()}}, f"{self.path}/checkpoint.pt.tmp")
+        os.replace(f"{self.path}/checkpoint.pt.tmp", f"{self.path}/checkpoint.pt")
+        self.saved = True
+
+    def finish(self, evaluate):
+        """The final checkpoint (none of diverged weights), the evaluation of the final policy (also after a stop,
+        never after a divergence), and the summary: the last line on stdout and runs/<run_name>/summary.json.
+        wall_seconds is the training loop's time, without evaluation. exit_code: 0, 1 diverged, 128 + a signal."""
+        args, end, steady_start, steady_step = self.args, self.end_time, self.steady_start, self.steady_step
+        if self.logged_step != self.global_step:  # a finished run resumed: its curve still ends at its last step
+            self.write_row()
+        self.metrics_file.close()
+        if self.diverged:
+            where = f"the last checkpoint, {self.path}/checkpoint.pt, is intact" if self.saved else \
+                "no checkpoint was saved"
+            print(f"error: {self.diverged[0]} is {self.diverged[1]} at global step {self.global_step}: the run "
+                  f"diverged; {where}", file=sys.stderr)
+        elif args.save_model:
+            self.save()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": args.env_id, "seed": args.seed,
+            "compile": getattr(args, "compile", False), "cudagraphs": getattr(args, "cudagraphs", False),
+            "device": str(self.device), "torch": torch.__version__, "global_step": self.global_step,
+            "wall_seconds": round(end - self.start_time, 3),
+            "compile_seconds": round((steady_start or end) - self.burnin_start, 3) if self.burnin_start else None,
+            "sps": round((self.global_step - steady_step) / (end - steady_start), 2)
+            if steady_start and self.global_step > steady_step else None,
+            "episodic_return": float(np.mean(self.returns)) if self.returns and np.isfinite(self.returns).all()
+            else None,
+            "episodes": self.episodes,
+            "losses": {k: v.item() if torch.isfinite(v) else None for k, v in self.losses.items()},  # NaN is not JSON
+            "run_name": self.name, "checkpoint": f"{self.path}/checkpoint.pt" if self.saved else None,
+            "eval_return": evaluate() if args.eval_episodes > 0 and not self.diverged else None,
+            "eval_episodes": args.eval_episodes, "interrupted": self.stop_signal is not None,
+            "diverged": self.diverged is not None, "resumed_from": args.resume,
+            "exit_code": 1 if self.diverged else 128 + self.stop_signal if self.stop_signal else 0,
+        }
+        with open(f"{self.path}/summary.json", "w") as f:
+            json.dump(summary, f)
+        if self.wandb:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+        print(json.dumps(summary), flush=True)
+        return summary
 
 
 if __name__ == "__main__":

@@ -153,12 +153,21 @@ def test_stop_and_resume(script, signum, workdir):
     assert resumed["episodes"] >= summary["episodes"]
 
 
-@pytest.mark.parametrize("script, name", params([PPO, ATARI], twins=False))
+DIVERGE = {
+    PPO: ["--learning-rate", "1e30", "--checkpoint-every", "64"],
+    ATARI: ["--learning-rate", "1e30", "--checkpoint-every", "64"],
+    # periodic checkpoints at steps 50 and 100 of the random-action warm-up, then updates from step 101
+    SAC: ["--q-lr", "1e30", "--policy-lr", "1e30", "--checkpoint-every", "50"],
+    TD3: ["--learning-rate", "1e30", "--checkpoint-every", "50"],
+}
+
+
+@pytest.mark.parametrize("script, name", params([PPO, ATARI, SAC, TD3], twins=False))
 def test_divergence_stops_with_one_line_and_keeps_the_checkpoint(script, name, workdir):
     """A learning rate of 1e30 makes the losses non-finite within a few updates: the run stops at the
     next log point with one line naming the loss and the step, exit code 1, a valid summary, and the
-    last periodic checkpoint left readable."""
-    proc = run_script(name, *SHORT[script], "--learning-rate", "1e30", "--save-model", "--checkpoint-every", "64", cwd=workdir)
+    last periodic checkpoint left readable. SAC and TD3 always save one before they diverge."""
+    proc = run_script(name, *SHORT[script], *DIVERGE[script], "--save-model", cwd=workdir)
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "at global step" in errors[0] and "the run diverged" in errors[0], proc.stderr
@@ -166,9 +175,13 @@ def test_divergence_stops_with_one_line_and_keeps_the_checkpoint(script, name, w
     assert summary["diverged"] is True and summary["exit_code"] == 1 and summary["eval_return"] is None
     step = int(errors[0].split("at global step ")[1].split(":")[0])
     assert step == summary["global_step"]
+    if script in (SAC, TD3):
+        assert "is intact" in errors[0], errors[0]
     if "is intact" in errors[0]:
         checkpoint = torch.load(workdir / "runs" / summary["run_name"] / "checkpoint.pt", weights_only=True)
-        assert checkpoint["global_step"] < step
+        assert checkpoint["global_step"] < step and summary["checkpoint"] is not None
+        resumed = summary_of(run_script(name, "--resume", workdir / summary["checkpoint"], cwd=workdir), workdir)
+        assert resumed["global_step"] == checkpoint["global_step"]  # the intact checkpoint's budget is its own
     else:
         assert "no checkpoint was saved" in errors[0]
 
@@ -219,4 +232,41 @@ def test_offpolicy_help_says_how_the_buffer_is_resumed(script, capsys):
     with pytest.raises(SystemExit):
         tyro.cli(module.Args, args=["--help"])
     out = capsys.readouterr().out
-    assert "refill" in out and "--learning-starts" in out
+    assert "refill" in out and "--learning-starts" in out and "extends the run" in out
+
+
+@pytest.mark.parametrize("script, name", params([SAC, TD3]))
+def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monkeypatch, capsys):
+    """--resume CKPT --total-timesteps N continues a finished run to step N, updating again after the refill of
+    its replay buffer; an N below the checkpoint's step is a one-line error."""
+    first = summary_of(run_script(name, *SHORT[script], "--save-model", "--eval-episodes", "0", cwd=workdir), workdir)
+    path = workdir / first["checkpoint"]
+    proc = run_script(name, "--resume", path, "--total-timesteps", "700", cwd=workdir)
+    extended = summary_of(proc, workdir)
+    assert extended["global_step"] == 700 and extended["episodes"] == 3  # Pendulum: 200 steps an episode
+    assert set(extended["losses"]) >= {"qf_loss", "actor_loss"} and extended["sps"] > 0  # updates ran again
+    assert "stays" not in proc.stderr  # the budget is not a flag that the checkpoint keeps
+    monkeypatch.chdir(workdir)
+    assert_rejected(name, ["--resume", str(path), "--total-timesteps", "300"],
+                    "--total-timesteps 300 ends before the checkpoint's step 400", capsys)
+
+
+@pytest.mark.parametrize("saved, now", [(True, False), (False, True)])
+def test_resume_keeps_this_runs_capturable(saved, now, workdir, monkeypatch):
+    """A twin's optimisers are capturable exactly when this run replays CUDA graphs: loading the optimiser state
+    of a run made with the other setting must not bring its setting along (a CUDA graph replaying a
+    non-capturable Adam, or a CPU run with a capturable one, fails or computes wrongly)."""
+    module = load_script(f"{SAC}_torchcompile")
+    monkeypatch.chdir(workdir)
+    param = torch.zeros(3, requires_grad=True)
+    optimizer = torch.optim.Adam([param], capturable=saved)
+    torch.save({
+        "script": f"{SAC}_torchcompile.py", "args": {"env_id": "Pendulum-v1"}, "global_step": 0, "episodes": 0,
+        "returns": [], "rng": {"torch": torch.get_rng_state(), "cuda": []}, "state": {"optimizer": optimizer.state_dict()},
+    }, workdir / "checkpoint.pt")
+    run = module.Run(module.Args(resume=str(workdir / "checkpoint.pt"), total_timesteps=10_000), module.arg_errors)
+    optimizer = torch.optim.Adam([param], capturable=now)
+    run.start({"optimizer": optimizer}, losses=())
+    run.metrics_file.close()
+    assert run.args.env_id == "Pendulum-v1"  # the checkpoint's run arguments were taken
+    assert optimizer.param_groups[0]["capturable"] is now

@@ -1,5 +1,6 @@
 """The repository's promises about itself: every script paired, tested, in run.sh; README and CI agree."""
 
+import ast
 import os
 import re
 import subprocess
@@ -51,3 +52,34 @@ def test_ci_runs_the_readme_test_command():
     assert test_cmd in ci.splitlines()
     for path in re.findall(r"requirements/[\w.-]+", readme + ci):
         assert (ROOT / path).exists(), path
+
+
+BLOCK_START = "# " + "=" * 114 + "\n# PLUMBING:"
+# the scripts in the lean shape so far (issue 16 converts the rest in steps; then this is every script)
+LEAN = ["sac_continuous_action", "sac_continuous_action_torchcompile", "td3_continuous_action",
+        "td3_continuous_action_torchcompile"]
+
+
+def plumbing_block(name):
+    text = (LEANRL / f"{name}.py").read_text()
+    return text[text.index(BLOCK_START) : text.index('\n\nif __name__ == "__main__":')] if BLOCK_START in text else None
+
+
+def test_plumbing_block_is_the_same_in_every_script():
+    blocks = {name: plumbing_block(name) for name in SCRIPTS}
+    assert all(blocks[name] for name in LEAN), [name for name in LEAN if not blocks[name]]
+    reference = blocks[LEAN[0]]
+    for name, block in blocks.items():
+        if block is not None:
+            assert block == reference, f"the plumbing block of {name}.py differs from {LEAN[0]}.py's"
+
+
+def test_lean_scripts_keep_their_shape():
+    """No line over 120 characters, main() at most 120 lines, the plumbing block at the end of the file."""
+    for name in LEAN:
+        text = (LEANRL / f"{name}.py").read_text()
+        long_lines = [i + 1 for i, line in enumerate(text.splitlines()) if len(line) > 120]
+        assert not long_lines, f"{name}.py: lines over 120 characters: {long_lines}"
+        main = next(node for node in ast.parse(text).body if isinstance(node, ast.FunctionDef) and node.name == "main")
+        assert main.end_lineno - main.lineno + 1 <= 120, f"{name}.py: main() has {main.end_lineno - main.lineno + 1} lines"
+        assert text.index(BLOCK_START) > text.index("\ndef main("), f"{name}.py: the plumbing block comes after main()"
