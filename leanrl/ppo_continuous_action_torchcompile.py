@@ -4,11 +4,8 @@ Schulman et al., "Proximal Policy Optimization Algorithms", 2017, https://arxiv.
 A Gaussian policy with a state-independent log-std, the clipped surrogate objective, GAE, value
 clipping, per-minibatch advantage normalisation, an entropy bonus, learning-rate annealing, optional
 `--target-kl` early stopping, and observation / reward normalisation with clipping, with CleanRL's
-hyper-parameters. It computes what ppo_continuous_action.py computes; `diff` the two files to see
-what compiling takes: GAE as a log-depth scan instead of a loop, the minibatch update as one graph
-(torch.func.grad and Adam written out), the acting policy, GAE and the update compiled with
-torch.compile and replayed as CUDA graphs (tensordict's CudaGraphModule), and an acting copy of the
-policy that shares the learner's weights.
+hyper-parameters. It computes what ppo_continuous_action.py computes, with GAE as a log-depth scan, the
+minibatch update as one graph (torch.func.grad and Adam written out), torch.compile and CUDA graphs.
 
     python leanrl/ppo_continuous_action_torchcompile.py --compile --cudagraphs
 """
@@ -16,15 +13,17 @@ policy that shares the learner's weights.
 import csv
 import dataclasses
 import difflib
+import importlib.util
+import itertools
 import json
 import math
 import os
-import random
 import signal
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import gymnasium as gym
@@ -46,7 +45,7 @@ class Args:
     torch_deterministic: bool = True
     """if toggled, `torch.backends.cudnn.deterministic=True`"""
     cuda: bool = True
-    """if toggled, cuda will be used when available (the script falls back to the CPU with a note)"""
+    """if toggled, cuda will be used when available (else the CPU, with a note)"""
     track: bool = False
     """if toggled, this experiment will be tracked with Weights and Biases (honours WANDB_MODE)"""
     wandb_project_name: str = "leanrl"
@@ -56,15 +55,14 @@ class Args:
     capture_video: bool = False
     """whether to capture videos of the agent performances (check out `videos` folder; needs moviepy)"""
     save_model: bool = False
-    """whether to save a checkpoint (weights, optimiser state, RNG states, step, args) to runs/{run_name}/checkpoint.pt at the end"""
+    """whether to save a checkpoint (weights, optimisers, RNG, step, args) to runs/{run_name}/checkpoint.pt"""
     checkpoint_every: int = 0
     """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
     resume: Optional[str] = None
-    """a checkpoint.pt to continue from to its own --total-timesteps (env, seed, budget and hyper-parameters come from the checkpoint);
-    the observation and reward normalisation statistics go on from the checkpoint's, and its envs start new episodes"""
+    """a checkpoint.pt to continue: its env, seed and hyper-parameters; a larger --total-timesteps extends the run"""
     eval_episodes: Optional[int] = None
-    """episodes to evaluate the final policy deterministically (mean action / argmax) after training; default 10 with --save-model, else 0.
-    Here: the Gaussian's mean, observations normalised with training env 0's statistics (frozen), raw returns"""
+    """episodes of the Gaussian's mean after training (training env 0's frozen normalisation); default 10 with
+    --save-model, else 0"""
 
     # Algorithm specific arguments
     env_id: str = "HalfCheetah-v5"
@@ -78,7 +76,7 @@ class Args:
     num_steps: int = 2048
     """the number of steps to run in each environment per policy rollout"""
     anneal_lr: bool = True
-    """toggle learning rate annealing for policy and value networks"""
+    """toggle learning rate annealing to 0 at the last rollout (re-planned over a budget that --resume extends)"""
     gamma: float = 0.99
     """the discount factor gamma"""
     gae_lambda: float = 0.95
@@ -106,141 +104,11 @@ class Args:
     compile: bool = False
     """whether to compile the policy, GAE and the update with torch.compile"""
     cudagraphs: bool = False
-    """whether to replay the policy, GAE and the update as CUDA graphs (CUDA only: on a CPU it warns and runs without)"""
+    """whether to replay the policy, GAE and the update as CUDA graphs (CUDA only: a CPU warns and runs without)"""
     measure_burnin: int = 2
-    """iterations (rollout + update) left out of the steady-state sps: compiling happens in the first,
-    and GAE's CUDA graph, called once an iteration, is captured in the second"""
-
-
-# what a resumed run takes from its command line; the rest (env, seed, budget, hyper-parameters) comes from the checkpoint
-SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model", "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
-
-
-def fail(message: str):
-    """Stops with a one-line message and exit code 2: bad input never ends in a traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def save_checkpoint(path, checkpoint):
-    """Writes to a temporary file beside `path`, then renames it over `path`: the rename is atomic, so
-    a kill mid-write leaves the previous checkpoint whole."""
-    torch.save(checkpoint, path + ".tmp")
-    os.replace(path + ".tmp", path)
-
-
-def load_checkpoint(path):
-    """Reads a checkpoint that this script wrote; anything else ends in a one-line error. weights_only:
-    tensors, numbers and strings only, so loading runs no code from the file."""
-    script = os.path.basename(__file__)
-    if not os.path.isfile(path):
-        fail(f"--resume {path}: no such file (a run writes runs/<run_name>/checkpoint.pt when given --save-model)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated by a kill, or not a torch file
-        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
-    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
-    if writer != script:
-        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
-    return checkpoint
-
-
-def resume_args(args, checkpoint):
-    """The checkpoint's run arguments, with this command line's session flags."""
-    saved = checkpoint["args"]
-    for name, value in vars(args).items():
-        if name not in SESSION_FLAGS and name in saved and value != saved[name] and value != getattr(Args, name, None):
-            print(f"note: --resume continues the checkpoint's run: --{name.replace('_', '-')} stays {saved[name]}", file=sys.stderr)
-    return Args(**{name: value if name in SESSION_FLAGS or name not in saved else saved[name] for name, value in vars(args).items()})
-
-
-def rng_states():
-    """Python's, numpy's and torch's generators, in types that torch.load(weights_only=True) reads."""
-    np_state = np.random.get_state(legacy=False)
-    return {
-        "python": random.getstate(),
-        "numpy": (torch.from_numpy(np_state["state"]["key"].astype(np.int64)), np_state["state"]["pos"], np_state["has_gauss"], np_state["gauss"]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_states(states):
-    random.setstate(states["python"])
-    key, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state(("MT19937", key.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(states["torch"])
-    if states["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def check_args(args: Args):
-    for name in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
-        if getattr(args, name) <= 0:
-            fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if not 0 <= args.seed < 2**32:  # numpy's seed range
-        fail(f"--seed must lie in [0, 2**32), got {args.seed}")
-    batch_size = args.num_envs * args.num_steps
-    if args.total_timesteps < batch_size:
-        fail(
-            f"--total-timesteps ({args.total_timesteps}) is smaller than one rollout of --num-envs * --num-steps "
-            f"({batch_size}) steps, so no update ever runs: raise the budget or lower --num-steps"
-        )
-    if batch_size % args.num_minibatches:
-        fail(
-            f"the batch of --num-envs * --num-steps = {batch_size} steps does not split into --num-minibatches "
-            f"({args.num_minibatches}) equal minibatches: pick a divisor of {batch_size}"
-        )
-    if args.norm_adv and batch_size // args.num_minibatches < 2:
-        fail("advantage normalisation needs minibatches of at least 2 steps: lower --num-minibatches or pass --no-norm-adv")
-    if not (0.0 <= args.gamma <= 1.0 and 0.0 <= args.gae_lambda <= 1.0):  # also false for nan
-        fail(f"--gamma ({args.gamma}) and --gae-lambda ({args.gae_lambda}) must lie in [0, 1]")
-    for name in ("learning_rate", "clip_coef", "max_grad_norm"):
-        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
-            fail(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
-    for name in ("ent_coef", "vf_coef"):
-        if not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0):
-            fail(f"--{name.replace('_', '-')} must be a non-negative number, got {getattr(args, name)}")
-    if args.target_kl is not None and not (math.isfinite(args.target_kl) and args.target_kl > 0):
-        fail(f"--target-kl must be a positive number, got {args.target_kl}")
-    if args.measure_burnin < 0:
-        fail(f"--measure-burnin must be >= 0, got {args.measure_burnin}")
-    if args.checkpoint_every < 0:
-        fail(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
-    if args.checkpoint_every > 0 and not args.save_model:
-        fail("--checkpoint-every needs --save-model")
-    if args.eval_episodes is not None and args.eval_episodes < 0:
-        fail(f"--eval-episodes must be >= 0, got {args.eval_episodes}")
-    if args.capture_video:
-        try:  # checked before any work, not found out when the first video is written
-            os.makedirs("videos", exist_ok=True)
-            writable = os.access("videos", os.W_OK)
-        except OSError:  # e.g. a file named videos
-            writable = False
-        if not writable:
-            fail("--capture-video writes to videos/, which cannot be written here: run from a writable folder")
-        try:
-            import moviepy  # noqa: F401  (gymnasium's RecordVideo writes with it)
-        except ImportError:
-            fail("--capture-video needs moviepy: pip install moviepy")
-    try:
-        gym.spec(args.env_id)
-    except gym.error.Error:
-        close = difflib.get_close_matches(args.env_id, list(gym.registry), n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else "pick one from gymnasium.registry"
-        fail(f"unknown env id {args.env_id!r}: {hint}")
-    try:
-        env = gym.make(args.env_id)
-    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
-        fail(f"cannot make {args.env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    act_space, obs_space = env.action_space, env.observation_space
-    env.close()
-    if not isinstance(act_space, gym.spaces.Box):
-        fail(f"this PPO samples continuous (Box) actions, but {args.env_id} has {act_space}: pass an env with Box actions, such as HalfCheetah-v5")
-    try:
-        gym.spaces.flatdim(obs_space)
-    except (NotImplementedError, ValueError):
-        fail(f"PPO's MLPs need an observation space that flattens to a vector, but {args.env_id} has {obs_space}")
+    """iterations left out of the steady-state sps: compiling happens in the first, GAE's CUDA graph in the second"""
+    log_every: int = 1
+    """iterations between two reads of the losses (each read synchronises host and device)"""
 
 
 def make_env(env_id, idx, capture_video, run_name, gamma):
@@ -264,34 +132,35 @@ def make_env(env_id, idx, capture_video, run_name, gamma):
     return thunk
 
 
-def normalizers(env):
-    """The NormalizeObservation and NormalizeReward wrappers inside one env of the vector env, found
-    by walking its chain of wrappers."""
-    wrappers = {}
-    while isinstance(env, gym.Wrapper):
-        wrappers[type(env)] = env
-        env = env.env
-    return wrappers[gym.wrappers.NormalizeObservation], wrappers[gym.wrappers.NormalizeReward]
+class Normalization:
+    """The running statistics of each env's NormalizeObservation and NormalizeReward, as a checkpoint entry:
+    without them a restored policy would see observations scaled otherwise than in training."""
 
+    def __init__(self, envs):
+        self.wrappers = []
+        for env in envs.envs:
+            found = {}
+            while isinstance(env, gym.Wrapper):  # down the env's chain of wrappers
+                found[type(env)] = env
+                env = env.env
+            self.wrappers.append((found[gym.wrappers.NormalizeObservation], found[gym.wrappers.NormalizeReward]))
 
-def normalization_stats(envs):
-    """Each env's running statistics as float64 tensors, for the checkpoint: "obs_rms" holds (mean,
-    var, count) of its observations, "return_rms" (mean, var, count, discounted_reward) of its
-    discounted rewards, one entry per env."""
-    stats = {"obs_rms": [], "return_rms": []}
-    for env in envs.envs:
-        obs_norm, reward_norm = normalizers(env)
-        for key, rms, extra in (("obs_rms", obs_norm.obs_rms, ()), ("return_rms", reward_norm.return_rms, (reward_norm.discounted_reward,))):
-            stats[key].append([torch.tensor(np.asarray(x, dtype=np.float64)) for x in (rms.mean, rms.var, rms.count, *extra)])
-    return stats
+    def state_dict(self):
+        """Per env, float64 tensors: "obs_rms" (mean, var, count), "return_rms" (mean, var, count, discounted)."""
+        def f64(*xs):
+            return [torch.tensor(np.asarray(x, dtype=np.float64)) for x in xs]
 
+        return {"obs_rms": [f64(o.obs_rms.mean, o.obs_rms.var, o.obs_rms.count) for o, _ in self.wrappers],
+                "return_rms": [f64(r.return_rms.mean, r.return_rms.var, r.return_rms.count, r.discounted_reward)
+                               for _, r in self.wrappers]}
 
-def set_normalization_stats(envs, stats):
-    for env, (mean, var, count), (r_mean, r_var, r_count, discounted_reward) in zip(envs.envs, stats["obs_rms"], stats["return_rms"]):
-        obs_norm, reward_norm = normalizers(env)
-        obs_norm.obs_rms.mean, obs_norm.obs_rms.var, obs_norm.obs_rms.count = mean.numpy(), var.numpy(), count.item()
-        reward_norm.return_rms.mean, reward_norm.return_rms.var, reward_norm.return_rms.count = r_mean.numpy(), r_var.numpy(), r_count.item()
-        reward_norm.discounted_reward = discounted_reward.numpy()
+    def load_state_dict(self, stats):
+        for (o, r), (mean, var, count), (r_mean, r_var, r_count, discounted) in zip(
+            self.wrappers, stats["obs_rms"], stats["return_rms"]
+        ):
+            o.obs_rms.mean, o.obs_rms.var, o.obs_rms.count = mean.numpy(), var.numpy(), count.item()
+            r.return_rms.mean, r.return_rms.var, r.return_rms.count = r_mean.numpy(), r_var.numpy(), r_count.item()
+            r.discounted_reward = discounted.numpy()
 
 
 def finished_episodes(infos):
@@ -385,9 +254,8 @@ def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda
 
 
 def make_update(args, agent):
-    """Builds the minibatch update, a function over tensors on the device with no host
-    synchronisation, a setter for the learning rate, and a getter and an in-place setter of the
-    optimiser's state for checkpoints; returns (update, set_learning_rate, optimizer_state, load_optimizer_state).
+    """Builds the minibatch update, a function over tensors on the device with no host synchronisation;
+    returns (update, set_learning_rate, the optimiser: its state_dict and load_state_dict for checkpoints).
 
     The update compiles into one graph: torch.func.grad replaces loss.backward() and Adam's arithmetic
     replaces optimizer.step(). torch.compile splits a function at backward() and around
@@ -409,8 +277,9 @@ def make_update(args, agent):
         return {"step": step, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
 
     def load_optimizer_state(state):  # in place: compiled code and CUDA graphs read these very tensors
-        for x, saved in zip([step, *exp_avgs, *exp_avg_sqs], [state["step"], *state["exp_avgs"], *state["exp_avg_sqs"]]):
-            x.copy_(saved)
+        saved = [state["step"], *state["exp_avgs"], *state["exp_avg_sqs"]]
+        for x, value in zip([step, *exp_avgs, *exp_avg_sqs], saved):
+            x.copy_(value)
 
     def loss_fn(params, obs, actions, logprobs, advantages, returns, values):
         _, newlogprob, entropy, newvalue = torch.func.functional_call(agent, params, (obs, actions))
@@ -445,7 +314,8 @@ def make_update(args, agent):
 
     def update(obs, actions, logprobs, advantages, returns, values):
         """One gradient step on a minibatch; returns (pg_loss, v_loss, entropy, old_approx_kl, approx_kl, clipfrac)."""
-        grads, stats = torch.func.grad(loss_fn, has_aux=True)(params, obs, actions, logprobs, advantages, returns, values)
+        minibatch = (obs, actions, logprobs, advantages, returns, values)
+        grads, stats = torch.func.grad(loss_fn, has_aux=True)(params, *minibatch)
         grads = list(grads.values())
         with torch.no_grad():
             # nn.utils.clip_grad_norm_, on the gradients in hand
@@ -463,85 +333,97 @@ def make_update(args, agent):
             torch._foreach_sub_(weights, updates)
         return stats
 
-    return update, set_learning_rate, optimizer_state, load_optimizer_state
+    # what a checkpoint saves and restores, as torch.optim.Adam's state_dict and load_state_dict would
+    return update, set_learning_rate, SimpleNamespace(state_dict=optimizer_state, load_state_dict=load_optimizer_state)
 
 
-def evaluate(args, state_dict, obs_rms, device):
-    """The mean raw return of --eval-episodes episodes of a fresh copy of the policy acting with the
-    Gaussian's mean (clipped to the action bounds by ClipAction), in a fresh env seeded apart from
-    training. Observations are normalised and clipped as in training, with training env 0's
-    statistics frozen: obs_rms is its (mean, var, count)."""
+@torch.no_grad()
+def evaluate(args, agent, obs_rms, device):
+    """The mean raw return of --eval-episodes episodes of the Gaussian's mean (clipped to the action bounds by
+    ClipAction), in a fresh env seeded seed + 100_000 + i. Observations are normalised and clipped as in
+    training, with training env 0's statistics frozen: obs_rms is its (mean, var, count)."""
     env = gym.wrappers.ClipAction(gym.wrappers.FlattenObservation(gym.make(args.env_id)))
-    agent = Agent(math.prod(env.observation_space.shape), math.prod(env.action_space.shape), device=device)
-    agent.load_state_dict(state_dict)
     mean, var, _ = (x.numpy() for x in obs_rms)
     returns = []
     for i in range(args.eval_episodes):
         obs, _ = env.reset(seed=args.seed + 100_000 + i)
-        episodic_return, done = 0.0, False
+        returns.append(0.0)
+        done = False
         while not done:
             obs = np.float32((obs - mean) / np.sqrt(var + 1e-8)).clip(-10, 10)  # NormalizeObservation's epsilon
-            with torch.no_grad():
-                action = agent.actor_mean(torch.as_tensor(obs, device=device)[None])[0]
+            action = agent.actor_mean(torch.as_tensor(obs, device=device)[None])[0]
             obs, reward, terminated, truncated, _ = env.step(action.cpu().numpy())
-            episodic_return += float(reward)
+            returns[-1] += float(reward)
             done = terminated or truncated
-        returns.append(episodic_return)
     env.close()
     return float(np.mean(returns))
 
 
+def arg_errors(args):
+    """This script's checks, in order, after the shared ones: (the input is wrong, a message that names the fix)."""
+    for name in ("num_envs", "num_steps", "num_minibatches", "update_epochs"):
+        yield getattr(args, name) <= 0, f"{flag(name)} must be positive, got {getattr(args, name)}"
+    batch_size = args.num_envs * args.num_steps
+    yield args.total_timesteps < batch_size, (
+        f"--total-timesteps ({args.total_timesteps}) is smaller than one rollout of --num-envs * --num-steps "
+        f"({batch_size}) steps, so no update ever runs: raise the budget or lower --num-steps")
+    yield batch_size % args.num_minibatches != 0, (
+        f"the batch of --num-envs * --num-steps = {batch_size} steps does not split into --num-minibatches "
+        f"({args.num_minibatches}) equal minibatches: pick a divisor of {batch_size}")
+    yield args.norm_adv and batch_size // args.num_minibatches < 2, (
+        "advantage normalisation needs minibatches of at least 2 steps: lower --num-minibatches or pass --no-norm-adv")
+    yield not (0 <= args.gamma <= 1 and 0 <= args.gae_lambda <= 1), (  # also false for nan
+        f"--gamma ({args.gamma}) and --gae-lambda ({args.gae_lambda}) must lie in [0, 1]")
+    for name in ("learning_rate", "clip_coef", "max_grad_norm"):
+        yield not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0), (
+            f"{flag(name)} must be a positive number, got {getattr(args, name)}")
+    for name in ("ent_coef", "vf_coef"):
+        yield not (math.isfinite(getattr(args, name)) and getattr(args, name) >= 0), (
+            f"{flag(name)} must be a non-negative number, got {getattr(args, name)}")
+    yield args.target_kl is not None and not (math.isfinite(args.target_kl) and args.target_kl > 0), (
+        f"--target-kl must be a positive number, got {args.target_kl}")
+    obs_space, act_space = env_spaces(args.env_id)
+    yield not isinstance(act_space, gym.spaces.Box), (
+        f"this PPO samples continuous (Box) actions, but {args.env_id} has {act_space}: pass an env with Box "
+        "actions, such as HalfCheetah-v5")
+    try:
+        gym.spaces.flatdim(obs_space)
+    except (NotImplementedError, ValueError):
+        yield True, f"PPO's MLPs need an observation space that flattens to a vector, but {args.env_id} has {obs_space}"
+
+
 def main(args: Args) -> dict:
-    checkpoint = load_checkpoint(args.resume) if args.resume else None
-    if checkpoint is not None:
-        args = resume_args(args, checkpoint)
-    check_args(args)
-    if args.eval_episodes is None:
-        args.eval_episodes = 10 if args.save_model else 0
+    # SETUP: the arguments checked (a --resume checkpoint's first), torch seeded, the device picked
+    run = Run(args, arg_errors)
+    args, device = run.args, run.device
     batch_size = args.num_envs * args.num_steps
     minibatch_size = batch_size // args.num_minibatches
     num_iterations = args.total_timesteps // batch_size
-    run_name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
-    checkpoint_path = f"runs/{run_name}/checkpoint.pt"
-
-    # SEEDING AND DEVICE
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.backends.cudnn.deterministic = args.torch_deterministic
-    if args.cuda and not torch.cuda.is_available():
-        print("note: CUDA is not available, running on the CPU", file=sys.stderr)
-    device = torch.device("cuda" if torch.cuda.is_available() and args.cuda else "cpu")
-    if args.cudagraphs and device.type != "cuda":
-        print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
-        args.cudagraphs = False
-
-    wandb = None
-    if args.track:
-        import wandb  # only imported when asked for: no account or network needed otherwise
-
-        wandb.init(project=args.wandb_project_name, entity=args.wandb_entity, config=vars(args), name=run_name, save_code=True)
-
-    # ENVIRONMENTS: same-step autoreset puts the true last observation of a finished episode in
-    # infos["final_obs"], which the truncation bootstrap needs; the wrappers run inside each env
+    # same-step autoreset puts the true last observation of a finished episode in infos["final_obs"], which the
+    # truncation bootstrap needs; the wrappers run inside each env
     envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, i, args.capture_video, run_name, args.gamma) for i in range(args.num_envs)],
+        [make_env(args.env_id, i, args.capture_video, run.name, args.gamma) for i in range(args.num_envs)],
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
     n_obs = math.prod(envs.single_observation_space.shape)
     n_act = math.prod(envs.single_action_space.shape)
+    normalization = Normalization(envs)
 
-    # AGENT
     agent = Agent(n_obs, n_act, device=device)
-    update, set_learning_rate, optimizer_state, load_optimizer_state = make_update(args, agent)
+    update, set_learning_rate, optimizer = make_update(args, agent)
+
+    def get_value(obs):  # the critic on numpy observations, for the truncation bootstrap
+        with torch.no_grad():
+            return agent.get_value(torch.as_tensor(obs, dtype=torch.float32, device=device)).view(-1).cpu().numpy()
+
     # the acting policy: a copy that shares the learner's weights, detached from autograd
     agent_inference = Agent(n_obs, n_act, device="meta")  # a shell without weights, filled by to_module
     from_module(agent).data.to_module(agent_inference)
     policy = agent_inference.get_action_and_value
     gae = compute_gae
 
-    # COMPILE: torch.compile fuses each step's kernels; CudaGraphModule then records the launches
-    # once and replays them, removing the per-kernel launch cost that dominates at these sizes
+    # COMPILE: torch.compile fuses each step's kernels; CudaGraphModule records their launches once and replays
+    # them (launch cost dominates at these sizes), after 3 warm-up calls that let compilation finish first
     if args.compile:
         # on a CPU, inductor's C++ wrapper (in place of its Python one) saves about 20 us a call: a
         # tenth of an acting step at batch size 1
@@ -549,73 +431,20 @@ def main(args: Args) -> dict:
         gae = torch.compile(gae)
         update = torch.compile(update)
     if args.cudagraphs:
-        policy = CudaGraphModule(policy)
-        gae = CudaGraphModule(gae)
-        update = CudaGraphModule(update)
+        policy = CudaGraphModule(policy, warmup=3)
+        gae = CudaGraphModule(gae, warmup=3)
+        update = CudaGraphModule(update, warmup=3)
 
-    def get_value(obs):  # the critic on numpy observations, for the truncation bootstrap
-        with torch.no_grad():
-            return agent.get_value(torch.as_tensor(obs, dtype=torch.float32, device=device)).view(-1).cpu().numpy()
-
-    # RESUME: in place (load_state_dict and copy_ write into the existing tensors), before anything
-    # compiles, so that the update and the acting policy hold the restored weights and state
-    returns_window = deque(maxlen=10)  # the last 10 finished episodes
-    episodes, global_step = 0, 0
-    if checkpoint is not None:
-        agent.load_state_dict(checkpoint["model"]["agent"])
-        load_optimizer_state(checkpoint["optimizer"]["optimizer"])
-        set_normalization_stats(envs, checkpoint)
-        global_step, episodes = checkpoint["global_step"], checkpoint["episodes"]
-        returns_window.extend(checkpoint["returns"])
-        set_rng_states(checkpoint["rng"])
-
-    def save():
-        """Writes the checkpoint, taken from the uncompiled agent (compiled code holds no state of its own)."""
-        save_checkpoint(checkpoint_path, {
-            "script": os.path.basename(__file__),
-            "args": dataclasses.asdict(args),
-            "global_step": global_step,
-            "episodes": episodes,
-            "returns": list(returns_window),
-            "rng": rng_states(),
-            "model": {"agent": agent.state_dict()},
-            "optimizer": {"optimizer": optimizer_state()},
-            **normalization_stats(envs),  # "obs_rms" and "return_rms"
-        })
-
-    # CURVE: every logged point also goes to runs/<run_name>/metrics.csv (line-buffered, an empty
-    # cell where there is no value yet), so that curves can be plotted without wandb
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    metrics_file = open(f"runs/{run_name}/metrics.csv", "w", newline="", buffering=1)
-    metrics = csv.DictWriter(metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps", "learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac", "explained_variance"], lineterminator="\n")
-    metrics.writeheader()
-
-    # TRAINING LOOP
-    start_iteration = global_step // batch_size  # a resumed run's annealing goes on from there
-    gradient_steps, last_saved, saved, diverged = 0, global_step, False, False
-    losses = {}
-    start_time = time.perf_counter()
-    steady_start, steady_step = None, 0
-    next_obs, _ = envs.reset(seed=args.seed + global_step)  # a resumed run starts new episodes
-    if checkpoint is not None:  # the reset counted its observations in the statistics: put back the checkpoint's
-        set_normalization_stats(envs, checkpoint)
+    next_obs, _ = envs.reset(seed=args.seed + run.global_step)  # a resumed run starts new episodes
+    # after the reset, whose observations would otherwise count in the restored statistics
+    run.start({"agent": agent, "optimizer": optimizer, "normalization": normalization}, losses=(
+        "learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
+        "explained_variance"))
     next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
     next_done = np.zeros(args.num_envs, dtype=bool)
-
-    # STOPPING: Ctrl-C (SIGINT) or SIGTERM lets the current iteration finish, then the run checkpoints
-    # (with --save-model) and summarises; a second signal stops at once
-    stop_signal = None
-
-    def request_stop(signum, frame):
-        nonlocal stop_signal
-        stop_signal = signum
-        signal.signal(signum, signal.SIG_DFL)
-
-    previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    pbar = tqdm.tqdm(range(start_iteration, num_iterations), file=sys.stderr, mininterval=1.0)
-    for iteration in pbar:
-        if iteration == start_iteration + args.measure_burnin:
-            steady_start, steady_step = time.perf_counter(), global_step
+    gradient_steps = 0
+    start_iteration = run.global_step // batch_size
+    for iteration in run.iterations(num_iterations, batch_size, first_update=start_iteration):
         # linearly from --learning-rate down to (almost) 0 with --anneal-lr
         lrnow = (1.0 - iteration / num_iterations) * args.learning_rate if args.anneal_lr else args.learning_rate
         set_learning_rate(lrnow)
@@ -624,7 +453,6 @@ def main(args: Args) -> dict:
         # (appending costs less than writing into preallocated storage, an indexing call per step)
         obs, actions, logprobs, rewards, dones, values = [], [], [], [], [], []
         for step in range(args.num_steps):
-            global_step += args.num_envs
             obs.append(next_obs)
             dones.append(next_done)
             with torch.no_grad():
@@ -635,12 +463,10 @@ def main(args: Args) -> dict:
 
             next_obs, reward, terminations, truncations, infos = envs.step(action.cpu().numpy())
             rewards.append(truncation_bootstrap(reward, terminations, truncations, infos, get_value, args.gamma))
-            # on a CPU this shares the array envs.step returned, a new one each step (SyncVectorEnv copies by default)
+            # on a CPU this shares the array envs.step returned, a new one each step (SyncVectorEnv copies)
             next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
             next_done = terminations | truncations
-            for episodic_return, _ in finished_episodes(infos):
-                returns_window.append(episodic_return)
-                episodes += 1
+            run.episodes_done([episodic_return for episodic_return, _ in finished_episodes(infos)])
 
         # (num_steps, num_envs, ...) tensors on the device
         obs, actions, logprobs = torch.stack(obs), torch.stack(actions), torch.stack(logprobs)
@@ -652,15 +478,12 @@ def main(args: Args) -> dict:
         with torch.no_grad():
             next_value = agent.get_value(next_obs).view(-1)
             next_done_t = torch.as_tensor(next_done, dtype=torch.float32, device=device)
-            advantages, returns = gae(next_value, next_done_t, rewards, values, dones, args.gamma, args.gae_lambda)
+            advantages, returns = gae(next_value, next_done_t, rewards, values, dones, args.gamma,
+                                      args.gae_lambda)
 
         # flatten the batch
-        b_obs = obs.reshape(-1, n_obs)
-        b_actions = actions.reshape(-1, n_act)
-        b_logprobs = logprobs.reshape(-1)
-        b_advantages = advantages.reshape(-1)
-        b_returns = returns.reshape(-1)
-        b_values = values.reshape(-1)
+        b_obs, b_actions = obs.reshape(-1, n_obs), actions.reshape(-1, n_act)
+        b_logprobs, b_advantages, b_returns, b_values = (x.reshape(-1) for x in (logprobs, advantages, returns, values))
 
         # OPTIMIZE: update_epochs passes over the batch in shuffled minibatches. Each epoch gathers the
         # batch once in a random order and cuts it into consecutive minibatches (views, no copies)
@@ -676,92 +499,272 @@ def main(args: Args) -> dict:
             if args.target_kl is not None and approx_kl.item() > args.target_kl:
                 break
 
-        # LOG: once per iteration, the only place losses reach the host (with the --target-kl check)
-        var_y = b_returns.var()
-        explained_var = 1 - (b_returns - b_values).var() / var_y  # nan when the returns are constant
-        losses = {
-            "learning_rate": lrnow,
-            "value_loss": v_loss.item(),
-            "policy_loss": pg_loss.item(),
-            "entropy": entropy_loss.item(),
-            "old_approx_kl": old_approx_kl.item(),
-            "approx_kl": approx_kl.item(),
-            "clipfrac": torch.stack(clipfracs).mean().item(),
-            "explained_variance": explained_var.item(),
-        }
-        sps = (global_step - steady_step) / (time.perf_counter() - steady_start) if steady_start is not None else None
-        logs = {"episodic_return": float(np.mean(returns_window)) if returns_window else None, "sps": sps, **losses}
-        pbar.set_postfix({k: f"{logs[k]:.4g}" for k in ("episodic_return", "sps", "value_loss") if logs[k] is not None}, refresh=False)
-        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), **logs})
-        if wandb is not None:
-            wandb.log({k: v for k, v in logs.items() if v is not None}, step=global_step)
-        # a non-finite loss ends the run: the weights are lost, and a checkpoint of them would overwrite a good one
-        nonfinite = [k for k in ("value_loss", "policy_loss", "entropy") if not math.isfinite(losses[k])]
-        if nonfinite:
-            pbar.close()  # ends the progress bar's line, so that the error has a line of its own
-            where = f"the last checkpoint, {checkpoint_path}, is intact" if saved else "no checkpoint was saved"
-            print(f"error: {nonfinite[0]} is {losses[nonfinite[0]]} at global step {global_step}: the run diverged; {where}", file=sys.stderr)
-            diverged = True
-            break
-        if args.save_model and args.checkpoint_every and global_step // args.checkpoint_every > last_saved // args.checkpoint_every:
-            save()
-            last_saved, saved = global_step, True
-        if stop_signal is not None:
-            break
-    for s, h in previous_handlers.items():
-        signal.signal(s, h)
-    pbar.close()
-    if start_iteration >= num_iterations:  # a finished run resumed: its curve still ends at its last step
-        metrics.writerow({"global_step": global_step, "wall_seconds": round(time.perf_counter() - start_time, 3), "episodic_return": float(np.mean(returns_window)) if returns_window else None})
-    metrics_file.close()
-    end_time = time.perf_counter()
-    if args.save_model and not diverged:
-        save()
-        saved = True
+        # LOG: device tensors, read at the log points
+        explained_var = 1 - (b_returns - b_values).var() / b_returns.var()  # nan when the returns are constant
+        run.log(learning_rate=lrnow, value_loss=v_loss, policy_loss=pg_loss, entropy=entropy_loss,
+                old_approx_kl=old_approx_kl, approx_kl=approx_kl, clipfrac=torch.stack(clipfracs).mean(),
+                explained_variance=explained_var)
 
-    # EVALUATION: after training, of the final weights (also after an interrupt, not after divergence)
-    eval_return = None
-    if args.eval_episodes > 0 and not diverged:
-        eval_return = evaluate(args, agent.state_dict(), normalization_stats(envs)["obs_rms"][0], device)
+    summary = run.finish(lambda: evaluate(args, agent, normalization.state_dict()["obs_rms"][0], device),
+                         gradient_steps=gradient_steps)
     envs.close()
-
-    # SUMMARY: the last line on stdout, and runs/<run_name>/summary.json
-    steady = steady_start is not None and global_step > steady_step
-    summary = {
-        "script": os.path.basename(__file__),
-        "env_id": args.env_id,
-        "seed": args.seed,
-        "compile": args.compile,
-        "cudagraphs": args.cudagraphs,
-        "device": str(device),
-        "torch": torch.__version__,
-        "global_step": global_step,
-        "wall_seconds": round(end_time - start_time, 3),
-        # wall time of the first --measure-burnin iterations: compile and warm-up live here
-        "compile_seconds": round((steady_start if steady_start is not None else end_time) - start_time, 3),
-        "sps": round((global_step - steady_step) / (end_time - steady_start), 2) if steady else None,
-        "episodic_return": float(np.mean(returns_window)) if returns_window and np.isfinite(returns_window).all() else None,
-        "episodes": episodes,
-        "gradient_steps": gradient_steps,
-        # a diverged (non-finite) loss is null: NaN is not JSON
-        "losses": {k: v if math.isfinite(v) else None for k, v in losses.items()},
-        "run_name": run_name,
-        "checkpoint": checkpoint_path if saved else None,
-        "eval_return": eval_return,
-        "eval_episodes": args.eval_episodes,
-        "interrupted": stop_signal is not None,
-        "diverged": diverged,
-        "resumed_from": args.resume,
-        "exit_code": 1 if diverged else 128 + stop_signal if stop_signal is not None else 0,
-    }
-    os.makedirs(f"runs/{run_name}", exist_ok=True)
-    with open(f"runs/{run_name}/summary.json", "w") as f:
-        json.dump(summary, f)
-    if wandb is not None:
-        wandb.summary.update(summary)
-        wandb.finish()
-    print(json.dumps(summary), flush=True)
     return summary
+
+
+# ==================================================================================================================
+# PLUMBING: the same in every script under leanrl/, byte for byte (tests/test_meta.py compares them), and none of it
+# changes what the algorithm computes: argument checks, checkpoints, signals, and the run record (progress bar,
+# metrics.csv, wandb, timing, the JSON summary).
+# ==================================================================================================================
+
+# what a resumed run takes from its own command line; the other arguments come from the checkpoint
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model",
+                 "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+
+
+def fail(message):  # bad input ends in one line and exit code 2, never in a traceback
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def env_spaces(env_id):
+    """The (observation, action) spaces of a gymnasium env, or a one-line error that names the fix."""
+    try:
+        gym.spec(env_id)
+    except gym.error.Error:
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
+        fail(f"unknown env id {env_id!r}: " + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
+    try:
+        env = gym.make(env_id)
+    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
+        fail(f"cannot make {env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    env.close()
+    return env.observation_space, env.action_space
+
+
+def shared_arg_errors(args, checkpoint):
+    step = checkpoint["global_step"] if checkpoint else 0
+    yield args.total_timesteps <= 0, f"--total-timesteps must be positive, got {args.total_timesteps}"
+    yield args.total_timesteps < step, (f"--total-timesteps {args.total_timesteps} ends before the checkpoint's "
+                                        f"step {step}: give {step} or more (more extends the run)")
+    yield not 0 <= args.seed < 2**32, f"--seed must lie in [0, 2**32), got {args.seed}"  # gymnasium's seeds
+    yield args.measure_burnin < 0 or args.log_every <= 0, "--measure-burnin must be >= 0 and --log-every positive"
+    yield args.checkpoint_every < 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
+    yield args.checkpoint_every > 0 and not args.save_model, "--checkpoint-every needs --save-model"
+    yield (args.eval_episodes or 0) < 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"
+    if args.capture_video:  # found out now, not when the first video is written
+        try:
+            os.makedirs("videos", exist_ok=True)
+            writable = os.access("videos", os.W_OK)
+        except OSError:  # e.g. a file named videos
+            writable = False
+        yield not writable, "--capture-video writes to videos/, which cannot be written here: run from a writable " \
+            "folder"
+        yield importlib.util.find_spec("moviepy") is None, "--capture-video needs moviepy: pip install moviepy"
+
+
+def load_checkpoint(path):
+    """A checkpoint that this script wrote, or a one-line error; weights_only: loading runs no code from the file."""
+    script = os.path.basename(__file__)
+    if not os.path.isfile(path):
+        fail(f"--resume {path}: no such file (a run writes runs/<run_name>/checkpoint.pt when given --save-model)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated by a kill, or not a torch file
+        fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
+    writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
+    if writer != script:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
+    if "state" not in checkpoint:  # the layout before the plumbing block
+        fail(f"--resume {path} was written by an older {script}: resume it with that version")
+    return checkpoint
+
+
+def resume_args(args, checkpoint):
+    """The checkpoint's run arguments with this command line's session flags and, if given (not at its default),
+    its --total-timesteps: the run then continues to that step."""
+    merged = {}
+    for name, value in vars(args).items():
+        given, saved = value != getattr(Args, name, None), checkpoint["args"].get(name, value)
+        merged[name] = value if name in SESSION_FLAGS or (name == "total_timesteps" and given) else saved
+        if given and merged[name] != value:
+            print(f"note: --resume continues the checkpoint's run: {flag(name)} stays {saved}", file=sys.stderr)
+    return Args(**merged)
+
+
+class Run:
+    """The run around the algorithm. Run(args, arg_errors) checks the arguments (a --resume checkpoint's first),
+    seeds torch and picks the device; start() restores the checkpoint and opens the record; iterations() drives
+    the loop; log() keeps the latest losses; finish() saves, evaluates and writes the summary."""
+
+    def __init__(self, args, arg_errors):
+        self.checkpoint = load_checkpoint(args.resume) if args.resume else None
+        args = resume_args(args, self.checkpoint) if self.checkpoint else args
+        for wrong, message in itertools.chain(shared_arg_errors(args, self.checkpoint), arg_errors(args)):
+            if wrong:  # in order: a row may assume that the rows before it hold
+                fail(message)
+        if args.eval_episodes is None:
+            args.eval_episodes = 10 if args.save_model else 0
+        torch.manual_seed(args.seed)
+        torch.backends.cudnn.deterministic = args.torch_deterministic
+        if args.cuda and not torch.cuda.is_available():
+            print("note: CUDA is not available, running on the CPU", file=sys.stderr)
+        self.device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
+        if getattr(args, "cudagraphs", False) and self.device.type != "cuda":
+            print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
+            args.cudagraphs = False
+        self.args, self.resumed = args, self.checkpoint is not None
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.path = f"runs/{self.name}"
+        self.global_step, self.episodes, self.returns = 0, 0, deque(maxlen=10)  # the last 10 finished episodes
+        self.losses, self.diverged, self.stop_signal, self.saved, self.logged_step = {}, None, None, False, None
+        if self.checkpoint:
+            self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
+            self.returns.extend(self.checkpoint["returns"])
+
+    def start(self, state, losses):
+        """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
+        CUDA graphs keep the tensors they hold; opens runs/<run_name>/metrics.csv and wandb."""
+        self.state = state
+        if self.checkpoint:
+            with torch.no_grad():
+                for name, obj in state.items():
+                    if isinstance(obj, torch.Tensor):
+                        obj.copy_(self.checkpoint["state"][name])
+                    else:
+                        capturable = [group.get("capturable") for group in getattr(obj, "param_groups", [])]
+                        obj.load_state_dict(self.checkpoint["state"][name])
+                        for group, value in zip(getattr(obj, "param_groups", []), capturable):
+                            group["capturable"] = value  # this run's --cudagraphs, not the saved run's
+            torch.set_rng_state(self.checkpoint["rng"]["torch"])
+            if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
+        os.makedirs(self.path, exist_ok=True)
+        self.metrics_file = open(f"{self.path}/metrics.csv", "w", newline="", buffering=1)  # a kill loses no row
+        self.metrics = csv.DictWriter(self.metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps",
+                                                          *losses], lineterminator="\n")
+        self.metrics.writeheader()
+        self.wandb = None
+        if self.args.track:
+            import wandb  # only when asked for: no account or network needed otherwise
+
+            self.wandb = wandb
+            wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, config=vars(self.args),
+                       name=self.name, save_code=True)
+
+    def iterations(self, num_iterations, steps_per_iteration, first_update):
+        """The iterations left to train. After each: the losses are read (a host-device sync) every --log-every, at
+        the end, before a checkpoint and at a stop; the periodic checkpoint; the end of the loop at a non-finite
+        loss or a signal (Ctrl-C or SIGTERM lets the iteration finish, a second one stops at once). Iterations from
+        first_update on are burn-in (compile, warm-up) for --measure-burnin, then steady state (sps)."""
+        args, saved_step = self.args, self.global_step
+        every = args.checkpoint_every if args.save_model else 0
+        steady_from = min(first_update + args.measure_burnin, num_iterations)
+        self.start_time, self.burnin_start, self.steady_start, self.steady_step = time.perf_counter(), None, None, 0
+        handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.bar = tqdm.tqdm(range(self.global_step // steps_per_iteration, num_iterations), file=sys.stderr,
+                             mininterval=1.0)
+        try:
+            for iteration in self.bar:
+                if iteration == first_update:
+                    self.burnin_start = time.perf_counter()
+                if iteration == steady_from:
+                    self.steady_start, self.steady_step = time.perf_counter(), self.global_step
+                self.global_step += steps_per_iteration
+                yield iteration
+                due = every > 0 and self.global_step // every > saved_step // every
+                stopping = self.stop_signal is not None  # read once: a later signal stops the next iteration
+                if iteration % args.log_every == 0 or iteration == num_iterations - 1 or due or stopping:
+                    self.write_row()
+                if self.diverged or stopping:  # never a checkpoint of diverged weights
+                    break
+                if due:
+                    self.save()
+                    saved_step = self.global_step
+        finally:
+            self.end_time = time.perf_counter()
+            self.bar.close()
+            for s, handler in handlers.items():
+                signal.signal(s, handler)
+
+    def request_stop(self, signum, frame):
+        self.stop_signal = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    def episodes_done(self, returns):
+        self.returns.extend(float(r) for r in returns)
+        self.episodes += len(returns)
+
+    def log(self, **losses):  # the latest losses (numbers or device tensors): read at the log points
+        self.losses.update((name, value) for name, value in losses.items() if value is not None)
+
+    def write_row(self):
+        now, logs = time.perf_counter(), {"episodic_return": float(np.mean(self.returns)) if self.returns else None}
+        steady = self.steady_start is not None and self.global_step > self.steady_step
+        logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
+        logs.update((name, float(value)) for name, value in self.losses.items())  # the host-device sync
+        self.diverged = next(((k, logs[k]) for k in self.losses if not math.isfinite(logs[k])), None)
+        self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
+        self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
+                               **logs})
+        if self.wandb:
+            self.wandb.log({k: v for k, v in logs.items() if v is not None}, step=self.global_step)
+        self.logged_step = self.global_step
+
+    def save(self):  # beside the checkpoint, then renamed over it: a kill mid-write leaves the last one whole
+        torch.save({"script": os.path.basename(__file__), "args": dataclasses.asdict(self.args),
+                    "global_step": self.global_step, "episodes": self.episodes, "returns": list(self.returns),
+                    "rng": {"torch": torch.get_rng_state(),
+                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                    "state": {k: v.detach() if isinstance(v, torch.Tensor) else v.state_dict()
+                              for k, v in self.state.items()}}, f"{self.path}/checkpoint.pt.tmp")
+        os.replace(f"{self.path}/checkpoint.pt.tmp", f"{self.path}/checkpoint.pt")
+        self.saved = True
+
+    def finish(self, evaluate, **extra):
+        """The final checkpoint (none of diverged weights), the evaluation of the final policy (also after a stop,
+        never after a divergence), and the summary (with `extra`'s keys): the last line on stdout and summary.json.
+        wall_seconds is the training loop's time, without evaluation. exit_code: 0, 1 diverged, 128 + a signal."""
+        args, end, steady_start, steady_step = self.args, self.end_time, self.steady_start, self.steady_step
+        if self.logged_step != self.global_step:  # a finished run resumed: its curve still ends at its last step
+            self.write_row()
+        self.metrics_file.close()
+        if self.diverged:
+            where = f"the last checkpoint, {self.path}/checkpoint.pt, is intact" if self.saved else \
+                "no checkpoint was saved"
+            print(f"error: {self.diverged[0]} is {self.diverged[1]} at global step {self.global_step}: the run "
+                  f"diverged; {where}", file=sys.stderr)
+        elif args.save_model:
+            self.save()
+        summary = {
+            "script": os.path.basename(__file__), "env_id": args.env_id, "seed": args.seed,
+            "compile": getattr(args, "compile", False), "cudagraphs": getattr(args, "cudagraphs", False),
+            "device": str(self.device), "torch": torch.__version__, "global_step": self.global_step,
+            "wall_seconds": round(end - self.start_time, 3),
+            "compile_seconds": round((steady_start or end) - self.burnin_start, 3) if self.burnin_start else None,
+            "sps": round((self.global_step - steady_step) / (end - steady_start), 2)
+            if steady_start and self.global_step > steady_step else None,
+            "episodic_return": float(np.mean(self.returns)) if self.returns and np.isfinite(self.returns).all()
+            else None,
+            "episodes": self.episodes, **extra,
+            "losses": {k: float(v) if math.isfinite(float(v)) else None for k, v in self.losses.items()},  # not NaN
+            "run_name": self.name, "checkpoint": f"{self.path}/checkpoint.pt" if self.saved else None,
+            "eval_return": evaluate() if args.eval_episodes > 0 and not self.diverged else None,
+            "eval_episodes": args.eval_episodes, "interrupted": self.stop_signal is not None,
+            "diverged": self.diverged is not None, "resumed_from": args.resume,
+            "exit_code": 1 if self.diverged else 128 + self.stop_signal if self.stop_signal else 0,
+        }
+        with open(f"{self.path}/summary.json", "w") as f:
+            json.dump(summary, f)
+        if self.wandb:
+            self.wandb.summary.update(summary)
+            self.wandb.finish()
+        print(json.dumps(summary), flush=True)
+        return summary
 
 
 if __name__ == "__main__":

@@ -430,9 +430,10 @@ def load_checkpoint(path):
     except Exception as e:  # truncated by a kill, or not a torch file
         fail(f"--resume {path} is not a readable checkpoint ({type(e).__name__}): resume from an intact one")
     writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
-    if writer != script or "state" not in checkpoint:
-        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script"
-             if writer != script else f"--resume {path} was written by an older {script}: resume it with that version")
+    if writer != script:
+        fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
+    if "state" not in checkpoint:  # the layout before the plumbing block
+        fail(f"--resume {path} was written by an older {script}: resume it with that version")
     return checkpoint
 
 
@@ -469,10 +470,14 @@ class Run:
         if getattr(args, "cudagraphs", False) and self.device.type != "cuda":
             print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
             args.cudagraphs = False
-        self.args, self.resumed, self.name = args, self.checkpoint is not None, f"{args.env_id}__{args.exp_name}__" \
-            f"{args.seed}__{int(time.time())}"
-        self.path, self.global_step, self.episodes, self.returns = f"runs/{self.name}", 0, 0, deque(maxlen=10)
+        self.args, self.resumed = args, self.checkpoint is not None
+        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        self.path = f"runs/{self.name}"
+        self.global_step, self.episodes, self.returns = 0, 0, deque(maxlen=10)  # the last 10 finished episodes
         self.losses, self.diverged, self.stop_signal, self.saved, self.logged_step = {}, None, None, False, None
+        if self.checkpoint:
+            self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
+            self.returns.extend(self.checkpoint["returns"])
 
     def start(self, state, losses):
         """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
@@ -488,8 +493,6 @@ class Run:
                         obj.load_state_dict(self.checkpoint["state"][name])
                         for group, value in zip(getattr(obj, "param_groups", []), capturable):
                             group["capturable"] = value  # this run's --cudagraphs, not the saved run's
-            self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
-            self.returns.extend(self.checkpoint["returns"])
             torch.set_rng_state(self.checkpoint["rng"]["torch"])
             if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
@@ -549,14 +552,14 @@ class Run:
         self.returns.extend(float(r) for r in returns)
         self.episodes += len(returns)
 
-    def log(self, **losses):  # the latest losses, device tensors: iterations() reads them at its log points
+    def log(self, **losses):  # the latest losses (numbers or device tensors): read at the log points
         self.losses.update((name, value) for name, value in losses.items() if value is not None)
 
     def write_row(self):
         now, logs = time.perf_counter(), {"episodic_return": float(np.mean(self.returns)) if self.returns else None}
         steady = self.steady_start is not None and self.global_step > self.steady_step
         logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
-        logs.update((name, value.item()) for name, value in self.losses.items())
+        logs.update((name, float(value)) for name, value in self.losses.items())  # the host-device sync
         self.diverged = next(((k, logs[k]) for k in self.losses if not math.isfinite(logs[k])), None)
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
         self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
@@ -575,9 +578,9 @@ class Run:
         os.replace(f"{self.path}/checkpoint.pt.tmp", f"{self.path}/checkpoint.pt")
         self.saved = True
 
-    def finish(self, evaluate):
+    def finish(self, evaluate, **extra):
         """The final checkpoint (none of diverged weights), the evaluation of the final policy (also after a stop,
-        never after a divergence), and the summary: the last line on stdout and runs/<run_name>/summary.json.
+        never after a divergence), and the summary (with `extra`'s keys): the last line on stdout and summary.json.
         wall_seconds is the training loop's time, without evaluation. exit_code: 0, 1 diverged, 128 + a signal."""
         args, end, steady_start, steady_step = self.args, self.end_time, self.steady_start, self.steady_step
         if self.logged_step != self.global_step:  # a finished run resumed: its curve still ends at its last step
@@ -600,8 +603,8 @@ class Run:
             if steady_start and self.global_step > steady_step else None,
             "episodic_return": float(np.mean(self.returns)) if self.returns and np.isfinite(self.returns).all()
             else None,
-            "episodes": self.episodes,
-            "losses": {k: v.item() if torch.isfinite(v) else None for k, v in self.losses.items()},  # NaN is not JSON
+            "episodes": self.episodes, **extra,
+            "losses": {k: float(v) if math.isfinite(float(v)) else None for k, v in self.losses.items()},  # not NaN
             "run_name": self.name, "checkpoint": f"{self.path}/checkpoint.pt" if self.saved else None,
             "eval_return": evaluate() if args.eval_episodes > 0 and not self.diverged else None,
             "eval_episodes": args.eval_episodes, "interrupted": self.stop_signal is not None,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import pytest
+import torch
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +95,16 @@ def reject_non_json(constant):
 @pytest.fixture
 def workdir(tmp_path):
     return tmp_path
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 matmuls and convolutions on a GPU, as on the CPU: TF32 rounding would hide a real difference
+    between a twin and its eager script behind the tolerance, or fail a correct twin."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _missing_simulator(**kwargs):

@@ -180,8 +180,6 @@ def test_divergence_stops_with_one_line_and_keeps_the_checkpoint(script, name, w
     if "is intact" in errors[0]:
         checkpoint = torch.load(workdir / "runs" / summary["run_name"] / "checkpoint.pt", weights_only=True)
         assert checkpoint["global_step"] < step and summary["checkpoint"] is not None
-        resumed = summary_of(run_script(name, "--resume", workdir / summary["checkpoint"], cwd=workdir), workdir)
-        assert resumed["global_step"] == checkpoint["global_step"]  # the intact checkpoint's budget is its own
     else:
         assert "no checkpoint was saved" in errors[0]
 
@@ -231,24 +229,28 @@ def test_offpolicy_help_says_how_the_buffer_is_resumed(script, capsys):
     module = load_script(script)
     with pytest.raises(SystemExit):
         tyro.cli(module.Args, args=["--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # tyro wraps the help to the terminal's width
     assert "refill" in out and "--learning-starts" in out and "extends the run" in out
 
 
-@pytest.mark.parametrize("script, name", params([SAC, TD3]))
+@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3]))
 def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monkeypatch, capsys):
-    """--resume CKPT --total-timesteps N continues a finished run to step N, updating again after the refill of
-    its replay buffer; an N below the checkpoint's step is a one-line error."""
+    """--resume CKPT --total-timesteps N continues a finished run to step N, updating again (off-policy: after
+    the refill of the replay buffer; PPO: annealing re-planned to reach 0 at the new end); an N below the
+    checkpoint's step is a one-line error."""
     first = summary_of(run_script(name, *SHORT[script], "--save-model", "--eval-episodes", "0", cwd=workdir), workdir)
     path = workdir / first["checkpoint"]
-    proc = run_script(name, "--resume", path, "--total-timesteps", "700", cwd=workdir)
+    proc = run_script(name, "--resume", path, "--total-timesteps", "768", cwd=workdir)
     extended = summary_of(proc, workdir)
-    assert extended["global_step"] == 700 and extended["episodes"] == 3  # Pendulum: 200 steps an episode
-    assert set(extended["losses"]) >= {"qf_loss", "actor_loss"} and extended["sps"] > 0  # updates ran again
+    assert extended["global_step"] == 768 and extended["episodes"] == 3  # Pendulum: 200 steps an episode
+    assert extended["losses"] != first["losses"] and extended["sps"] > 0  # updates ran again
+    if script == PPO:  # the last of 12 rollouts of 64 steps
+        assert extended["losses"]["learning_rate"] == pytest.approx(3e-4 / 12)
     assert "stays" not in proc.stderr  # the budget is not a flag that the checkpoint keeps
     monkeypatch.chdir(workdir)
+    step = first["global_step"]
     assert_rejected(name, ["--resume", str(path), "--total-timesteps", "300"],
-                    "--total-timesteps 300 ends before the checkpoint's step 400", capsys)
+                    f"--total-timesteps 300 ends before the checkpoint's step {step}: give {step} or more", capsys)
 
 
 @pytest.mark.parametrize("saved, now", [(True, False), (False, True)])

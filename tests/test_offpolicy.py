@@ -138,13 +138,6 @@ def wrap(fns, mode):
     return [CudaGraphModule(torch.compile(f), warmup=3) if mode == "cudagraphs" else torch.compile(f) for f in fns]
 
 
-def no_tf32(monkeypatch):
-    """Full float32 matmuls and convolutions on a GPU, as on the CPU: TF32 rounding would hide a real difference
-    between the twin and the eager script behind the tolerance, or fail a correct one."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-
-
 def batches(device, rounds):
     """Replay batches (obs, actions, rewards, next_obs, dones) for obs of 5 and actions in SPACE."""
     gen = torch.Generator().manual_seed(1)
@@ -199,14 +192,13 @@ def assert_same_learners(eager, twin):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_sac_twin_computes_the_eager_update(mode, monkeypatch):
+def test_sac_twin_computes_the_eager_update(mode, no_tf32):
     """Same weights, same batch, same noise: same losses and alpha, and the same actor, critics,
     targets and log_alpha after rounds of critic, actor-and-alpha and target updates (six rounds
     with CUDA graphs: two warm-ups, the capture, then replays, as main() wraps them)."""
     import torch._inductor.config
 
     device = "cuda" if mode == "cudagraphs" else "cpu"
-    no_tf32(monkeypatch)
     # compiled code draws its own random numbers unless told to use eager's generator
     with torch._inductor.config.patch(fallback_random=True):
         eager = build(load_script(SAC), "sac", twin=False, device=device)
@@ -226,13 +218,12 @@ def test_sac_twin_computes_the_eager_update(mode, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_td3_twin_computes_the_eager_update(mode, monkeypatch):
+def test_td3_twin_computes_the_eager_update(mode, no_tf32):
     """Same weights, same batch, same smoothing noise: same losses, and the same actor, critics and
     all targets after rounds of critic and (delayed) actor-and-target updates."""
     import torch._inductor.config
 
     device = "cuda" if mode == "cudagraphs" else "cpu"
-    no_tf32(monkeypatch)
     with torch._inductor.config.patch(fallback_random=True):
         eager = build(load_script(TD3), "td3", twin=False, device=device)
         twin = build(load_script(TD3_TWIN), "td3", twin=True, mode=mode, device=device)

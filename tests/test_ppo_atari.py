@@ -205,7 +205,7 @@ def test_twin_gae_computes_the_eager_gae(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_twin_update_computes_the_eager_update(mode):
+def test_twin_update_computes_the_eager_update(mode, no_tf32):
     """Same weights, same minibatches of frames, the same learning rates: the same losses and
     statistics, and the same weights after each Adam step (the twin's torch.func.grad and
     written-out Adam against loss.backward(), clip_grad_norm_ and torch.optim.Adam)."""

@@ -277,7 +277,7 @@ def wrap(fn, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_twin_update_computes_the_eager_update(mode):
+def test_twin_update_computes_the_eager_update(mode, no_tf32):
     """Same weights, same minibatches, same learning rates: the twin's two halves (torch.func.grad,
     Adam written out) give the eager halves' (loss.backward(), clip_grad_norm_, torch.optim.Adam)
     flat gradients, losses and updated weights; here for a group of 2 processes whose summed
