@@ -125,6 +125,48 @@ def make_env(env_id, idx, capture_video, run_name, gamma):
     return thunk
 
 
+def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
+    torch.nn.init.orthogonal_(layer.weight, std)
+    torch.nn.init.constant_(layer.bias, bias_const)
+    return layer
+
+
+class Agent(nn.Module):
+    def __init__(self, n_obs, n_act, device=None):
+        super().__init__()
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(n_obs, 64, device=device)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64, device=device)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 1, device=device), std=1.0),
+        )
+        self.actor_mean = nn.Sequential(
+            layer_init(nn.Linear(n_obs, 64, device=device)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64, device=device)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, n_act, device=device), std=0.01),
+        )
+        self.actor_logstd = nn.Parameter(torch.zeros(1, n_act, device=device))
+
+    def get_value(self, x):
+        return self.critic(x)
+
+    def get_action_and_value(self, x, action=None):
+        """Samples an action (or scores the given one); returns (action, log_prob, entropy, value).
+        The Gaussian's log-density and entropy are written out: torch.distributions.Normal checks its
+        arguments on every call, which costs more than the maths at these sizes."""
+        action_mean = self.actor_mean(x)
+        action_logstd = self.actor_logstd.expand_as(action_mean)
+        action_std = action_logstd.exp()
+        if action is None:
+            action = action_mean + action_std * torch.randn_like(action_mean)
+        log_prob = -0.5 * ((action - action_mean) / action_std).pow(2) - action_logstd - 0.5 * math.log(2 * math.pi)
+        entropy = 0.5 + 0.5 * math.log(2 * math.pi) + action_logstd
+        return action, log_prob.sum(1), entropy.sum(1), self.critic(x)
+
+
 class Normalization:
     """The running statistics of each env's NormalizeObservation and NormalizeReward, as a checkpoint entry:
     without them a restored policy would see observations scaled otherwise than in training."""
@@ -181,48 +223,6 @@ def truncation_bootstrap(rewards, terminations, truncations, infos, get_value, g
     rewards = rewards.copy()
     rewards[truncated] += gamma * get_value(last_obs)
     return rewards
-
-
-def layer_init(layer, std=np.sqrt(2), bias_const=0.0):
-    torch.nn.init.orthogonal_(layer.weight, std)
-    torch.nn.init.constant_(layer.bias, bias_const)
-    return layer
-
-
-class Agent(nn.Module):
-    def __init__(self, n_obs, n_act, device=None):
-        super().__init__()
-        self.critic = nn.Sequential(
-            layer_init(nn.Linear(n_obs, 64, device=device)),
-            nn.Tanh(),
-            layer_init(nn.Linear(64, 64, device=device)),
-            nn.Tanh(),
-            layer_init(nn.Linear(64, 1, device=device), std=1.0),
-        )
-        self.actor_mean = nn.Sequential(
-            layer_init(nn.Linear(n_obs, 64, device=device)),
-            nn.Tanh(),
-            layer_init(nn.Linear(64, 64, device=device)),
-            nn.Tanh(),
-            layer_init(nn.Linear(64, n_act, device=device), std=0.01),
-        )
-        self.actor_logstd = nn.Parameter(torch.zeros(1, n_act, device=device))
-
-    def get_value(self, x):
-        return self.critic(x)
-
-    def get_action_and_value(self, x, action=None):
-        """Samples an action (or scores the given one); returns (action, log_prob, entropy, value).
-        The Gaussian's log-density and entropy are written out: torch.distributions.Normal checks its
-        arguments on every call, which costs more than the maths at these sizes."""
-        action_mean = self.actor_mean(x)
-        action_logstd = self.actor_logstd.expand_as(action_mean)
-        action_std = action_logstd.exp()
-        if action is None:
-            action = action_mean + action_std * torch.randn_like(action_mean)
-        log_prob = -0.5 * ((action - action_mean) / action_std).pow(2) - action_logstd - 0.5 * math.log(2 * math.pi)
-        entropy = 0.5 + 0.5 * math.log(2 * math.pi) + action_logstd
-        return action, log_prob.sum(1), entropy.sum(1), self.critic(x)
 
 
 def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda):
@@ -563,8 +563,8 @@ class Run:
             self.returns.extend(self.checkpoint["returns"])
 
     def start(self, state, losses):
-        """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
-        CUDA graphs keep the tensors they hold; opens runs/<run_name>/metrics.csv and wandb."""
+        """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
         self.state = state
         if self.checkpoint:
             with torch.no_grad():

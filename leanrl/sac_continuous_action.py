@@ -22,6 +22,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import gymnasium as gym
@@ -180,13 +181,13 @@ class Actor(nn.Module):
 def make_updates(args, actor, qf1, qf2, qf1_target, qf2_target, log_alpha, target_entropy):
     """Builds the optimisers and the three update steps; each step is a function over tensors on the
     device with no host synchronisation, so the compiled twin can compile it whole."""
-    # fused: one kernel per parameter for Adam's update, 3-4x faster than the default loop on a CPU
+    adam = partial(torch.optim.Adam, fused=True)  # one kernel per parameter: 3-4x faster than the loop on a CPU
     actor_params = list(actor.parameters())
     q_params = list(qf1.parameters()) + list(qf2.parameters())
     q_target_params = list(qf1_target.parameters()) + list(qf2_target.parameters())
-    q_optimizer = torch.optim.Adam(q_params, lr=args.q_lr, fused=True)
-    actor_optimizer = torch.optim.Adam(actor_params, lr=args.policy_lr, fused=True)
-    a_optimizer = torch.optim.Adam([log_alpha], lr=args.q_lr, fused=True) if args.autotune else None
+    q_optimizer = adam(q_params, lr=args.q_lr)
+    actor_optimizer = adam(actor_params, lr=args.policy_lr)
+    a_optimizer = adam([log_alpha], lr=args.q_lr) if args.autotune else None
 
     def update_critic(obs, actions, rewards, next_obs, dones):
         alpha = log_alpha.detach().exp()
@@ -476,8 +477,8 @@ class Run:
             self.returns.extend(self.checkpoint["returns"])
 
     def start(self, state, losses):
-        """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
-        CUDA graphs keep the tensors they hold; opens runs/<run_name>/metrics.csv and wandb."""
+        """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
         self.state = state
         if self.checkpoint:
             with torch.no_grad():

@@ -21,6 +21,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import gymnasium as gym
@@ -185,9 +186,9 @@ class Actor(nn.Module):
 def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_entropy):
     """Builds the optimisers and the three update steps; each step is a function over tensors on the
     device with no host synchronisation, so the compiled twin can compile it whole."""
-    # the stacked tensors themselves, keyed "fc1.weight", ...: torch.func.functional_call runs the
-    # weightless shell with them. (tensordict's `with params.to_module(qnet)` does the same, but two
-    # such calls in one compiled function crash dynamo in torch 2.13)
+    adam = partial(torch.optim.Adam, fused=True, capturable=args.cudagraphs)  # capturable: a CUDA graph replays it
+    # the stacked tensors, keyed "fc1.weight", ..., that torch.func.functional_call runs the weightless shell with
+    # (tensordict's `params.to_module(qnet)` does the same, but twice in one compiled function crashes dynamo 2.13)
     q_weights = dict(qnet_params.flatten_keys(".").items())
     # the same storage without autograd: the actor's loss must not reach the critics' weights. A compiled
     # backward computes every gradient its graph allows, so backward(inputs=...) alone would not spare them
@@ -196,12 +197,9 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
     actor_params = list(actor.parameters())
     q_params = list(q_weights.values())
     q_target_params = list(q_target_weights.values())
-    # fused: one kernel per parameter for Adam's update, 3-4x faster than the default loop on a CPU; capturable
-    # (step counts on the device) when a CUDA graph replays it, with or without --compile (dynamo does not trace it)
-    q_optimizer = torch.optim.Adam(q_params, lr=args.q_lr, fused=True, capturable=args.cudagraphs)
-    actor_optimizer = torch.optim.Adam(actor_params, lr=args.policy_lr, fused=True, capturable=args.cudagraphs)
-    a_optimizer = torch.optim.Adam([log_alpha], lr=args.q_lr, fused=True, capturable=args.cudagraphs) \
-        if args.autotune else None
+    q_optimizer = adam(q_params, lr=args.q_lr)
+    actor_optimizer = adam(actor_params, lr=args.policy_lr)
+    a_optimizer = adam([log_alpha], lr=args.q_lr) if args.autotune else None
 
     def batched_qf(weights, obs, action):
         return torch.func.functional_call(qnet, weights, (obs, action))
@@ -215,8 +213,7 @@ def make_updates(args, actor, qnet, qnet_params, qnet_target, log_alpha, target_
             qf_next_target = qf(q_target_weights, next_obs, next_actions).min(0).values
             # (batch, 1): terminations stop the bootstrap, time-limit truncations do not (dones = terminations)
             next_q_value = rewards + (1.0 - dones) * args.gamma * (qf_next_target - alpha * next_log_pi)
-        qf_a_values = qf(q_weights, obs, actions)
-        qf_loss = (qf_a_values - next_q_value).pow(2).mean((1, 2)).sum()  # qf1 MSE + qf2 MSE
+        qf_loss = (qf(q_weights, obs, actions) - next_q_value).pow(2).mean((1, 2)).sum()  # qf1 MSE + qf2 MSE
         q_optimizer.zero_grad()
         qf_loss.backward()
         q_optimizer.step()
@@ -512,8 +509,8 @@ class Run:
             self.returns.extend(self.checkpoint["returns"])
 
     def start(self, state, losses):
-        """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
-        CUDA graphs keep the tensors they hold; opens runs/<run_name>/metrics.csv and wandb."""
+        """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
         self.state = state
         if self.checkpoint:
             with torch.no_grad():

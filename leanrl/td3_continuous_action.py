@@ -23,6 +23,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import gymnasium as gym
@@ -165,12 +166,12 @@ class Actor(nn.Module):
 def make_updates(args, actor, qf1, qf2, actor_target, qf1_target, qf2_target):
     """Builds the optimisers and the two update steps; each step is a function over tensors on the
     device with no host synchronisation, so the compiled twin can compile it whole."""
-    # fused: one kernel per parameter for Adam's update, 3-4x faster than the default loop on a CPU
+    adam = partial(torch.optim.Adam, fused=True)  # one kernel per parameter: 3-4x faster than the loop on a CPU
     actor_params = list(actor.parameters())
     q_params = list(qf1.parameters()) + list(qf2.parameters())
     target_params = list(actor_target.parameters()) + list(qf1_target.parameters()) + list(qf2_target.parameters())
-    q_optimizer = torch.optim.Adam(q_params, lr=args.learning_rate, fused=True)
-    actor_optimizer = torch.optim.Adam(actor_params, lr=args.learning_rate, fused=True)
+    q_optimizer = adam(q_params, lr=args.learning_rate)
+    actor_optimizer = adam(actor_params, lr=args.learning_rate)
 
     def update_critic(obs, actions, rewards, next_obs, dones):
         with torch.no_grad():
@@ -444,8 +445,8 @@ class Run:
             self.returns.extend(self.checkpoint["returns"])
 
     def start(self, state, losses):
-        """Copies the checkpoint into `state` (name: module, optimiser or tensor) in place, so that optimisers and
-        CUDA graphs keep the tensors they hold; opens runs/<run_name>/metrics.csv and wandb."""
+        """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
         self.state = state
         if self.checkpoint:
             with torch.no_grad():

@@ -233,7 +233,8 @@ def test_offpolicy_help_says_how_the_buffer_is_resumed(script, capsys):
     assert "refill" in out and "--learning-starts" in out and "extends the run" in out
 
 
-@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3]))
+# eager scripts: the twins share the plumbing block byte for byte, and test_checkpoint_round_trip restores them
+@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3], twins=False))
 def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monkeypatch, capsys):
     """--resume CKPT --total-timesteps N continues a finished run to step N, updating again (off-policy: after
     the refill of the replay buffer; PPO: annealing re-planned to reach 0 at the new end); an N below the
