@@ -98,8 +98,8 @@ class Args:
     """the target KL divergence threshold: an iteration stops its epochs once the last minibatch's exceeds it"""
 
     # Performance
-    measure_burnin: int = 2
-    """iterations left out of the steady-state sps: compiling happens in the first, GAE's CUDA graph in the second"""
+    measure_burnin: int = 3
+    """iterations left out of the steady-state sps: compiling happens in the first, GAE's CUDA graph in the third"""
     log_every: int = 1
     """iterations between two reads of the losses (each read synchronises host and device)"""
 
@@ -372,10 +372,11 @@ def main(args: Args) -> dict:
             return agent.get_value(torch.as_tensor(obs, dtype=torch.float32, device=device)).view(-1).cpu().numpy()
 
     next_obs, _ = envs.reset(seed=args.seed + run.global_step)  # a resumed run starts new episodes
-    # after the reset, whose observations would otherwise count in the restored statistics
+    # after the reset, whose observations would otherwise count in the restored statistics. Only the losses count
+    # as a divergence: the explained variance is nan when the returns are constant
     run.start({"agent": agent, "optimizer": optimizer, "normalization": normalization}, losses=(
         "learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
-        "explained_variance"))
+        "explained_variance"), checked=("value_loss", "policy_loss", "entropy"))
     next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
     next_done = np.zeros(args.num_envs, dtype=bool)
     gradient_steps = 0
@@ -562,10 +563,11 @@ class Run:
             self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
             self.returns.extend(self.checkpoint["returns"])
 
-    def start(self, state, losses):
+    def start(self, state, losses, checked=None):
         """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
-        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
-        self.state = state
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb. A
+        non-finite value of a `checked` loss (default: all of `losses`) is a divergence."""
+        self.state, self.checked = state, set(losses if checked is None else checked)
         if self.checkpoint:
             with torch.no_grad():
                 for name, obj in state.items():
@@ -643,7 +645,8 @@ class Run:
         steady = self.steady_start is not None and self.global_step > self.steady_step
         logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
         logs.update((name, float(value)) for name, value in self.losses.items())  # the host-device sync
-        self.diverged = next(((k, logs[k]) for k in self.losses if not math.isfinite(logs[k])), None)
+        self.diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])),
+                             None)
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
         self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
                                **logs})

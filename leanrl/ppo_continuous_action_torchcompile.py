@@ -105,8 +105,8 @@ class Args:
     """whether to compile the policy, GAE and the update with torch.compile"""
     cudagraphs: bool = False
     """whether to replay the policy, GAE and the update as CUDA graphs (CUDA only: a CPU warns and runs without)"""
-    measure_burnin: int = 2
-    """iterations left out of the steady-state sps: compiling happens in the first, GAE's CUDA graph in the second"""
+    measure_burnin: int = 3
+    """iterations left out of the steady-state sps: compiling happens in the first, GAE's CUDA graph in the third"""
     log_every: int = 1
     """iterations between two reads of the losses (each read synchronises host and device)"""
 
@@ -434,10 +434,11 @@ def main(args: Args) -> dict:
         update = CudaGraphModule(update, warmup=3)
 
     next_obs, _ = envs.reset(seed=args.seed + run.global_step)  # a resumed run starts new episodes
-    # after the reset, whose observations would otherwise count in the restored statistics
+    # after the reset, whose observations would otherwise count in the restored statistics. Only the losses count
+    # as a divergence: the explained variance is nan when the returns are constant
     run.start({"agent": agent, "optimizer": optimizer, "normalization": normalization}, losses=(
         "learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl", "clipfrac",
-        "explained_variance"))
+        "explained_variance"), checked=("value_loss", "policy_loss", "entropy"))
     next_obs = torch.as_tensor(next_obs, dtype=torch.float32, device=device)
     next_done = np.zeros(args.num_envs, dtype=bool)
     gradient_steps = 0
@@ -623,10 +624,11 @@ class Run:
             self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
             self.returns.extend(self.checkpoint["returns"])
 
-    def start(self, state, losses):
+    def start(self, state, losses, checked=None):
         """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
-        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
-        self.state = state
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb. A
+        non-finite value of a `checked` loss (default: all of `losses`) is a divergence."""
+        self.state, self.checked = state, set(losses if checked is None else checked)
         if self.checkpoint:
             with torch.no_grad():
                 for name, obj in state.items():
@@ -704,7 +706,8 @@ class Run:
         steady = self.steady_start is not None and self.global_step > self.steady_step
         logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
         logs.update((name, float(value)) for name, value in self.losses.items())  # the host-device sync
-        self.diverged = next(((k, logs[k]) for k in self.losses if not math.isfinite(logs[k])), None)
+        self.diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])),
+                             None)
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
         self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
                                **logs})

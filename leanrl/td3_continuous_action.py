@@ -444,10 +444,11 @@ class Run:
             self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
             self.returns.extend(self.checkpoint["returns"])
 
-    def start(self, state, losses):
+    def start(self, state, losses, checked=None):
         """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
-        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb."""
-        self.state = state
+        place, so that optimisers and CUDA graphs keep the tensors they hold; opens metrics.csv and wandb. A
+        non-finite value of a `checked` loss (default: all of `losses`) is a divergence."""
+        self.state, self.checked = state, set(losses if checked is None else checked)
         if self.checkpoint:
             with torch.no_grad():
                 for name, obj in state.items():
@@ -525,7 +526,8 @@ class Run:
         steady = self.steady_start is not None and self.global_step > self.steady_step
         logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
         logs.update((name, float(value)) for name, value in self.losses.items())  # the host-device sync
-        self.diverged = next(((k, logs[k]) for k in self.losses if not math.isfinite(logs[k])), None)
+        self.diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])),
+                             None)
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
         self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
                                **logs})

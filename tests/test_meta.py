@@ -81,5 +81,6 @@ def test_lean_scripts_keep_their_shape():
         long_lines = [i + 1 for i, line in enumerate(text.splitlines()) if len(line) > 120]
         assert not long_lines, f"{name}.py: lines over 120 characters: {long_lines}"
         main = next(node for node in ast.parse(text).body if isinstance(node, ast.FunctionDef) and node.name == "main")
-        assert main.end_lineno - main.lineno + 1 <= 120, f"{name}.py: main() has {main.end_lineno - main.lineno + 1} lines"
+        length = main.end_lineno - main.lineno + 1
+        assert length <= 120, f"{name}.py: main() has {length} lines"
         assert text.index(BLOCK_START) > text.index("\ndef main("), f"{name}.py: the plumbing block comes after main()"

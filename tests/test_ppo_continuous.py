@@ -72,6 +72,15 @@ def test_diverged_run_still_ends_with_valid_json(script, workdir):
     assert summary["losses"]["value_loss"] is None and summary["diverged"] is True and summary["exit_code"] == 1
 
 
+def test_nan_explained_variance_is_not_a_divergence(workdir):
+    """One step per rollout: the returns' variance is nan, so is the explained variance; the losses are finite and
+    the run ends normally, with null for that value in the summary."""
+    flags = ["--env-id", "Pendulum-v1", "--num-steps", "1", "--num-minibatches", "1", "--no-norm-adv"]
+    summary = summary_of(run_script(PPO, *flags, "--total-timesteps", "8", cwd=workdir), workdir)
+    assert summary["global_step"] == 8 and summary["diverged"] is False
+    assert summary["losses"]["explained_variance"] is None and math.isfinite(summary["losses"]["value_loss"])
+
+
 def test_track_logs_to_wandb_offline(workdir):
     proc = run_script(PPO, *SHORT, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
     summary_of(proc, workdir)
