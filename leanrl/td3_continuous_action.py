@@ -223,6 +223,21 @@ def evaluate(args, actor, device):
     return float(np.mean(returns))
 
 
+def env_spaces(env_id):
+    """The (observation, action) spaces of a gymnasium env, or a one-line error that names the fix."""
+    try:
+        gym.spec(env_id)
+    except gym.error.Error:
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
+        fail(f"unknown env id {env_id!r}: " + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
+    try:
+        env = gym.make(env_id)
+    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
+        fail(f"cannot make {env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    env.close()
+    return env.observation_space, env.action_space
+
+
 def arg_errors(args):
     """This script's checks, in order, after the shared ones: (the input is wrong, a message that names the fix)."""
     for name in ("num_envs", "buffer_size", "batch_size", "policy_frequency"):
@@ -252,6 +267,15 @@ def arg_errors(args):
     yield not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1, (
         f"TD3's MLPs need a flat Box observation space, but {args.env_id} has {obs_space}: "
         "wrap it in gymnasium.wrappers.FlattenObservation")
+    if args.capture_video:  # found out now, not when the first video is written
+        try:
+            os.makedirs("videos", exist_ok=True)
+            writable = os.access("videos", os.W_OK)
+        except OSError:  # e.g. a file named videos
+            writable = False
+        yield not writable, "--capture-video writes to videos/, which cannot be written here: run from a writable " \
+            "folder"
+        yield importlib.util.find_spec("moviepy") is None, "--capture-video needs moviepy: pip install moviepy"
 
 
 def main(args: Args) -> dict:
@@ -296,7 +320,7 @@ def main(args: Args) -> dict:
     obs, _ = envs.reset(seed=args.seed + run.global_step)  # a resumed run plays new episodes
     for iteration in run.iterations(num_iterations, args.num_envs, first_update):
         # ACT: uniformly random until learning starts, then the policy plus exploration noise
-        if iteration < first_update and not run.resumed:
+        if iteration < first_update and run.checkpoint is None:
             actions = envs.action_space.sample()
         else:
             with torch.no_grad():
@@ -332,16 +356,25 @@ def main(args: Args) -> dict:
 # ==================================================================================================================
 # PLUMBING: the same in every script under leanrl/, byte for byte (tests/test_meta.py compares them), and none of it
 # changes what the algorithm computes: argument checks, checkpoints, signals, and the run record (progress bar,
-# metrics.csv, wandb, timing, the JSON summary).
+# metrics.csv, wandb, timing, the JSON summary). A script run as several processes (torchrun) gives its Run a rank
+# and a gather (every process's object, in rank order): rank 0 alone writes and speaks, and they agree on stopping.
 # ==================================================================================================================
 
 # what a resumed run takes from its own command line; the other arguments come from the checkpoint
 SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model",
-                 "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every"}
+                 "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every",
+                 "backend"}
 
 
-def fail(message):  # bad input ends in one line and exit code 2, never in a traceback
-    print(f"error: {message}", file=sys.stderr)
+def note(message):  # on stderr, by one process: under torchrun every process would say the same
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(message, file=sys.stderr)
+
+
+def fail(message):  # bad input ends in one line and exit code 2, never in a traceback; every process stops
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # as a finished run leaves it
+    note(f"error: {message}")
     sys.exit(2)
 
 
@@ -349,40 +382,19 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
-def env_spaces(env_id):
-    """The (observation, action) spaces of a gymnasium env, or a one-line error that names the fix."""
-    try:
-        gym.spec(env_id)
-    except gym.error.Error:
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
-        fail(f"unknown env id {env_id!r}: " + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
-    try:
-        env = gym.make(env_id)
-    except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
-        fail(f"cannot make {env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    env.close()
-    return env.observation_space, env.action_space
-
-
 def shared_arg_errors(args, checkpoint):
-    step = checkpoint["global_step"] if checkpoint else 0
+    step, processes = checkpoint["global_step"] if checkpoint else 0, int(os.environ.get("WORLD_SIZE", 1))
     yield args.total_timesteps <= 0, f"--total-timesteps must be positive, got {args.total_timesteps}"
     yield args.total_timesteps < step, (f"--total-timesteps {args.total_timesteps} ends before the checkpoint's "
                                         f"step {step}: give {step} or more (more extends the run)")
-    yield not 0 <= args.seed < 2**32, f"--seed must lie in [0, 2**32), got {args.seed}"  # gymnasium's seeds
+    yield not 0 <= args.seed < 2**31, f"--seed must lie in [0, 2**31), got {args.seed}"  # envpool's: int32
     yield args.measure_burnin < 0 or args.log_every <= 0, "--measure-burnin must be >= 0 and --log-every positive"
     yield args.checkpoint_every < 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
     yield args.checkpoint_every > 0 and not args.save_model, "--checkpoint-every needs --save-model"
     yield (args.eval_episodes or 0) < 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"
-    if args.capture_video:  # found out now, not when the first video is written
-        try:
-            os.makedirs("videos", exist_ok=True)
-            writable = os.access("videos", os.W_OK)
-        except OSError:  # e.g. a file named videos
-            writable = False
-        yield not writable, "--capture-video writes to videos/, which cannot be written here: run from a writable " \
-            "folder"
-        yield importlib.util.find_spec("moviepy") is None, "--capture-video needs moviepy: pip install moviepy"
+    saved = len(checkpoint["rng"]) if checkpoint else processes  # a generator state per process
+    yield saved != processes, (f"--resume {args.resume} was written by a run of {saved} processes, not {processes}: "
+                               "resume it with as many")
 
 
 def load_checkpoint(path):
@@ -410,14 +422,15 @@ def resume_args(args, checkpoint):
         given, saved = value != getattr(Args, name, None), checkpoint["args"].get(name, value)
         merged[name] = value if name in SESSION_FLAGS or (name == "total_timesteps" and given) else saved
         if given and merged[name] != value:
-            print(f"note: --resume continues the checkpoint's run: {flag(name)} stays {saved}", file=sys.stderr)
+            note(f"note: --resume continues the checkpoint's run: {flag(name)} stays {saved}")
     return Args(**merged)
 
 
 class Run:
     """The run around the algorithm. Run(args, arg_errors) checks the arguments (a --resume checkpoint's first),
     seeds torch and picks the device; start() restores the checkpoint and opens the record; iterations() drives
-    the loop; log() keeps the latest losses; finish() saves, evaluates and writes the summary."""
+    the loop; episodes_done() and log() keep the latest returns and losses; finish() saves, evaluates and writes
+    the summary."""
 
     def __init__(self, args, arg_errors):
         self.checkpoint = load_checkpoint(args.resume) if args.resume else None
@@ -430,16 +443,17 @@ class Run:
         torch.manual_seed(args.seed)
         torch.backends.cudnn.deterministic = args.torch_deterministic
         if args.cuda and not torch.cuda.is_available():
-            print("note: CUDA is not available, running on the CPU", file=sys.stderr)
+            note("note: CUDA is not available, running on the CPU")
         self.device = torch.device("cuda" if args.cuda and torch.cuda.is_available() else "cpu")
         if getattr(args, "cudagraphs", False) and self.device.type != "cuda":
-            print("warning: --cudagraphs needs CUDA: running without CUDA graphs", file=sys.stderr)
+            note("warning: --cudagraphs needs CUDA: running without CUDA graphs")
             args.cudagraphs = False
-        self.args, self.resumed = args, self.checkpoint is not None
+        self.args, self.rank, self.gather = args, 0, lambda obj: [obj]  # one process
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.path = f"runs/{self.name}"
         self.global_step, self.episodes, self.returns = 0, 0, deque(maxlen=10)  # the last 10 finished episodes
-        self.losses, self.diverged, self.stop_signal, self.saved, self.logged_step = {}, None, None, False, None
+        self.finished, self.losses, self.diverged, self.saved, self.logged_step = [], {}, None, False, None
+        self.stop_signal, self.stop_time = None, 0.0
         if self.checkpoint:
             self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
             self.returns.extend(self.checkpoint["returns"])
@@ -459,16 +473,19 @@ class Run:
                         obj.load_state_dict(self.checkpoint["state"][name])
                         for group, value in zip(getattr(obj, "param_groups", []), capturable):
                             group["capturable"] = value  # this run's --cudagraphs, not the saved run's
-            torch.set_rng_state(self.checkpoint["rng"]["torch"])
-            if self.checkpoint["rng"]["cuda"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(self.checkpoint["rng"]["cuda"])
-        os.makedirs(self.path, exist_ok=True)
-        self.metrics_file = open(f"{self.path}/metrics.csv", "w", newline="", buffering=1)  # a kill loses no row
+            rng = self.checkpoint["rng"][self.rank]
+            torch.set_rng_state(rng["torch"])
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        if self.rank == 0:
+            os.makedirs(self.path, exist_ok=True)
+        self.metrics_file = open(f"{self.path}/metrics.csv" if self.rank == 0 else os.devnull, "w", newline="",
+                                 buffering=1)  # line by line: a kill loses no row
         self.metrics = csv.DictWriter(self.metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps",
                                                           *losses], lineterminator="\n")
         self.metrics.writeheader()
         self.wandb = None
-        if self.args.track:
+        if self.args.track and self.rank == 0:
             import wandb  # only when asked for: no account or network needed otherwise
 
             self.wandb = wandb
@@ -478,15 +495,16 @@ class Run:
     def iterations(self, num_iterations, steps_per_iteration, first_update):
         """The iterations left to train. After each: the losses are read (a host-device sync) every --log-every, at
         the end, before a checkpoint and at a stop; the periodic checkpoint; the end of the loop at a non-finite
-        loss or a signal (Ctrl-C or SIGTERM lets the iteration finish, a second one stops at once). Iterations from
-        first_update on are burn-in (compile, warm-up) for --measure-burnin, then steady state (sps)."""
+        loss or a signal (Ctrl-C or SIGTERM lets the iteration finish, a second one stops at once), which every
+        process learns of at the end of the iteration. Iterations from first_update on are burn-in (compile,
+        warm-up) for --measure-burnin, then steady state (sps)."""
         args, saved_step = self.args, self.global_step
         every = args.checkpoint_every if args.save_model else 0
         steady_from = min(first_update + args.measure_burnin, num_iterations)
         self.start_time, self.burnin_start, self.steady_start, self.steady_step = time.perf_counter(), None, None, 0
         handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         self.bar = tqdm.tqdm(range(self.global_step // steps_per_iteration, num_iterations), file=sys.stderr,
-                             mininterval=1.0)
+                             mininterval=1.0, disable=self.rank != 0)
         try:
             for iteration in self.bar:
                 if iteration == first_update:
@@ -495,6 +513,11 @@ class Run:
                     self.steady_start, self.steady_step = time.perf_counter(), self.global_step
                 self.global_step += steps_per_iteration
                 yield iteration
+                for returns, signum in self.gather((self.finished, self.stop_signal)):  # every process's
+                    self.returns.extend(returns)
+                    self.episodes += len(returns)
+                    self.stop_signal = self.stop_signal or signum
+                self.finished = []
                 due = every > 0 and self.global_step // every > saved_step // every
                 stopping = self.stop_signal is not None  # read once: a later signal stops the next iteration
                 if iteration % args.log_every == 0 or iteration == num_iterations - 1 or due or stopping:
@@ -510,13 +533,16 @@ class Run:
             for s, handler in handlers.items():
                 signal.signal(s, handler)
 
-    def request_stop(self, signum, frame):
-        self.stop_signal = signum
-        signal.signal(signum, signal.SIG_DFL)
+    def request_stop(self, signum, frame):  # a repeat within a second is the same request: under torchrun a
+        # process may get a signal twice, from torchrun, which passes it on, and from the terminal or the scheduler
+        if self.stop_signal is None:
+            self.stop_signal, self.stop_time = signum, time.monotonic()
+        elif time.monotonic() - self.stop_time > 1.0:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
-    def episodes_done(self, returns):
-        self.returns.extend(float(r) for r in returns)
-        self.episodes += len(returns)
+    def episodes_done(self, returns):  # counted at the end of the iteration, with the other processes' episodes
+        self.finished.extend(map(float, returns))
 
     def log(self, **losses):  # the latest losses (numbers or device tensors): read at the log points
         self.losses.update((name, value) for name, value in losses.items() if value is not None)
@@ -526,8 +552,8 @@ class Run:
         steady = self.steady_start is not None and self.global_step > self.steady_step
         logs["sps"] = (self.global_step - self.steady_step) / (now - self.steady_start) if steady else None
         logs.update((name, float(value)) for name, value in self.losses.items())  # the host-device sync
-        self.diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])),
-                             None)
+        diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])), None)
+        self.diverged = next((d for d in self.gather(diverged) if d), None)  # in any process: all of them stop
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
         self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
                                **logs})
@@ -536,13 +562,14 @@ class Run:
         self.logged_step = self.global_step
 
     def save(self):  # beside the checkpoint, then renamed over it: a kill mid-write leaves the last one whole
-        torch.save({"script": os.path.basename(__file__), "args": dataclasses.asdict(self.args),
-                    "global_step": self.global_step, "episodes": self.episodes, "returns": list(self.returns),
-                    "rng": {"torch": torch.get_rng_state(),
-                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                    "state": {k: v.detach() if isinstance(v, torch.Tensor) else v.state_dict()
-                              for k, v in self.state.items()}}, f"{self.path}/checkpoint.pt.tmp")
-        os.replace(f"{self.path}/checkpoint.pt.tmp", f"{self.path}/checkpoint.pt")
+        rng = self.gather({"torch": torch.get_rng_state(),  # every process's generators
+                           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []})
+        if self.rank == 0:
+            torch.save({"script": os.path.basename(__file__), "args": dataclasses.asdict(self.args),
+                        "global_step": self.global_step, "episodes": self.episodes, "returns": list(self.returns),
+                        "rng": rng, "state": {k: v.detach() if isinstance(v, torch.Tensor) else v.state_dict()
+                                              for k, v in self.state.items()}}, f"{self.path}/checkpoint.pt.tmp")
+            os.replace(f"{self.path}/checkpoint.pt.tmp", f"{self.path}/checkpoint.pt")
         self.saved = True
 
     def finish(self, evaluate, **extra):
@@ -556,8 +583,8 @@ class Run:
         if self.diverged:
             where = f"the last checkpoint, {self.path}/checkpoint.pt, is intact" if self.saved else \
                 "no checkpoint was saved"
-            print(f"error: {self.diverged[0]} is {self.diverged[1]} at global step {self.global_step}: the run "
-                  f"diverged; {where}", file=sys.stderr)
+            note(f"error: {self.diverged[0]} is {self.diverged[1]} at global step {self.global_step}: the run "
+                 f"diverged; {where}")
         elif args.save_model:
             self.save()
         summary = {
@@ -578,6 +605,8 @@ class Run:
             "diverged": self.diverged is not None, "resumed_from": args.resume,
             "exit_code": 1 if self.diverged else 128 + self.stop_signal if self.stop_signal else 0,
         }
+        if self.rank != 0:  # rank 0 alone says how the run ended: torchrun stops every process once one fails
+            return {**summary, "exit_code": 0}
         with open(f"{self.path}/summary.json", "w") as f:
             json.dump(summary, f)
         if self.wandb:

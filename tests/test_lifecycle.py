@@ -266,7 +266,7 @@ def test_resume_keeps_this_runs_capturable(saved, now, workdir, monkeypatch):
     optimizer = torch.optim.Adam([param], capturable=saved)
     torch.save({
         "script": f"{SAC}_torchcompile.py", "args": {"env_id": "Pendulum-v1"}, "global_step": 0, "episodes": 0,
-        "returns": [], "rng": {"torch": torch.get_rng_state(), "cuda": []},
+        "returns": [], "rng": [{"torch": torch.get_rng_state(), "cuda": []}],
         "state": {"optimizer": optimizer.state_dict()},
     }, workdir / "checkpoint.pt")
     run = module.Run(module.Args(resume=str(workdir / "checkpoint.pt"), total_timesteps=10_000), module.arg_errors)

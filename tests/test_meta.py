@@ -55,9 +55,7 @@ def test_ci_runs_the_readme_test_command():
 
 
 BLOCK_START = "# " + "=" * 114 + "\n# PLUMBING:"
-# the scripts in the lean shape so far (issue 16 converts the rest in steps; then this is every script)
-LEAN = ["sac_continuous_action", "sac_continuous_action_torchcompile", "td3_continuous_action",
-        "td3_continuous_action_torchcompile", "ppo_continuous_action", "ppo_continuous_action_torchcompile"]
+LEAN = SCRIPTS  # every script has the lean shape
 
 
 def plumbing_block(name):

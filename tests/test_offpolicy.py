@@ -281,7 +281,7 @@ def test_learns_pendulum(script, flags, steps, workdir):
         (["--batch-size", "0"], "--batch-size must be positive"),
         (["--buffer-size", "-1"], "--buffer-size must be positive"),
         (["--total-timesteps", "0"], "--total-timesteps must be positive"),
-        (["--seed", "-1"], "--seed must lie in [0, 2**32)"),
+        (["--seed", "-1"], "--seed must lie in [0, 2**31)"),
         (["--gamma", "nan"], "must lie in [0, 1]"),
         (["--env-id", MISSING_SIMULATOR], f"cannot make {MISSING_SIMULATOR}: the simulator of this env is not installed"),
     ],
