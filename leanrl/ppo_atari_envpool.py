@@ -5,8 +5,9 @@ The Nature CNN (Mnih et al., 2015) with a categorical policy head and a value he
 objective, GAE, value clipping, per-minibatch advantage normalisation, an entropy bonus, learning-rate annealing
 and optional `--target-kl` early stopping, with CleanRL's hyper-parameters, on envpool's C++ Atari with the
 standard settings (84x84 grey frames, 4 stacked, 4 frames skipped, up to 30 no-ops at reset, FIRE at reset, a
-lost life ends the learner's episode, rewards clipped to their sign). The compiled twin is
-ppo_atari_envpool_torchcompile.py; `diff` the two files to see what compiling takes. Needs
+lost life ends the learner's episode, rewards clipped to their sign). The compiled twin,
+ppo_atari_envpool_torchcompile.py, computes the same with GAE as a log-depth scan, the minibatch update as one
+graph, torch.compile and CUDA graphs: `diff` the two files to see what compiling takes. Needs
 requirements/requirements-atari.txt.
 
     python leanrl/ppo_atari_envpool.py --env-id Breakout-v5 --total-timesteps 10000000

@@ -6,7 +6,8 @@ It is ppo_atari_envpool.py run by several processes (`diff` the two files to see
 process steps its own --local-num-envs envs with its own seeds and collects its own rollout; every minibatch, the
 processes average their gradients with one all-reduce, so that every process takes the same Adam step and the
 weights stay identical (rank 0 broadcasts its initial weights). Rank 0 alone logs, checkpoints and evaluates. The
-compiled twin is ppo_atari_envpool_multigpu_torchcompile.py. Needs requirements/requirements-atari.txt.
+compiled twin, ppo_atari_envpool_multigpu_torchcompile.py, computes the same with GAE as a log-depth scan, the
+gradient step as two graphs around the all-reduce, torch.compile and CUDA graphs. Needs requirements-atari.txt.
 
     torchrun --standalone --nproc_per_node 2 leanrl/ppo_atari_envpool_multigpu.py --local-num-envs 4
 
@@ -33,11 +34,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# before any process group exists (torch.optim and torch.compile would import it later): torch._dynamo imports
-# torch.distributed.nn.functional, whose functions take the default process group as a default argument. Bound
-# after init_process_group, they would keep the group, and its gloo threads, alive past destroy_process_group, and a
-# gloo thread still releasing the last collective's tensors while the interpreter shuts down aborts the process at
-# exit ("terminate called without an active exception", SIGABRT)
+# before any process group exists: torch._dynamo imports torch.distributed.nn.functional, whose functions bind the
+# default group as a default argument. Imported later (by torch.optim or torch.compile), they keep the group's gloo
+# threads alive past destroy_process_group, and one still at work at interpreter shutdown aborts the process (SIGABRT)
 import torch._dynamo  # noqa: F401
 import torch.nn as nn
 import tqdm

@@ -5,9 +5,9 @@ Schulman et al., "Proximal Policy Optimization Algorithms", 2017, https://arxiv.
 It is ppo_atari_envpool.py run by several processes (`diff` the two files to see what scaling out takes): each
 process steps its own --local-num-envs envs with its own seeds and collects its own rollout; every minibatch, the
 processes average their gradients with one all-reduce, so that every process takes the same Adam step and the
-weights stay identical (rank 0 broadcasts its initial weights). Rank 0 alone logs, checkpoints and evaluates. It
-computes what ppo_atari_envpool_multigpu.py computes, with GAE as a log-depth scan, the gradient step as two graphs
-around the all-reduce (torch.func.grad and Adam written out), torch.compile and CUDA graphs in each process.
+weights stay identical (rank 0 broadcasts its initial weights). Rank 0 alone logs, checkpoints and evaluates. The
+compiled twin, ppo_atari_envpool_multigpu_torchcompile.py, computes the same with GAE as a log-depth scan, the
+gradient step as two graphs around the all-reduce, torch.compile and CUDA graphs. Needs requirements-atari.txt.
 
     torchrun --standalone --nproc_per_node 2 leanrl/ppo_atari_envpool_multigpu_torchcompile.py --compile --cudagraphs
 
@@ -35,11 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-# before any process group exists (torch.optim and torch.compile would import it later): torch._dynamo imports
-# torch.distributed.nn.functional, whose functions take the default process group as a default argument. Bound
-# after init_process_group, they would keep the group, and its gloo threads, alive past destroy_process_group, and a
-# gloo thread still releasing the last collective's tensors while the interpreter shuts down aborts the process at
-# exit ("terminate called without an active exception", SIGABRT)
+# before any process group exists: torch._dynamo imports torch.distributed.nn.functional, whose functions bind the
+# default group as a default argument. Imported later (by torch.optim or torch.compile), they keep the group's gloo
+# threads alive past destroy_process_group, and one still at work at interpreter shutdown aborts the process (SIGABRT)
 import torch._dynamo  # noqa: F401
 import torch.nn as nn
 import tqdm
@@ -229,15 +227,12 @@ def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda
 def make_update(args, agent, world_size):
     """Builds the minibatch update as two functions over tensors on the device with no host synchronisation, the
     halves before and after the all-reduce of the gradients; returns (compute_grads, apply_grads,
-    set_learning_rate, the optimiser: its state_dict and load_state_dict for checkpoints).
-
-    Each half compiles into one graph: torch.func.grad replaces loss.backward() and Adam's arithmetic replaces
-    optimizer.step(). torch.compile splits a function at backward() and around optimizer.step(), and each split
-    costs a pass over the weights and a return to Python."""
+    set_learning_rate, the optimiser: its state_dict and load_state_dict for checkpoints)."""
+    # each half compiles into one graph: torch.func.grad replaces loss.backward() and Adam's arithmetic
+    # optimizer.step(), where torch.compile would split it (each split a pass over the weights and a return to Python)
     params = dict(agent.named_parameters())  # the learner's weights, updated in place
     weights = list(params.values())
-    # torch.optim.Adam's state (eps=1e-5 as in CleanRL). The learning rate is a tensor that annealing
-    # overwrites in place: a float would be baked into the compiled code and the CUDA graph
+    # torch.optim.Adam's state (eps=1e-5 as in CleanRL); lr is a tensor set in place, as a float would be compiled in
     lr = torch.tensor(args.learning_rate, device=weights[0].device)
     beta1, beta2, eps = 0.9, 0.999, 1e-5
     step = torch.zeros((), device=weights[0].device)
@@ -247,13 +242,11 @@ def make_update(args, agent, world_size):
     def set_learning_rate(value):
         lr.fill_(value)
 
-    def optimizer_state():
-        return {"step": step, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-
-    def load_optimizer_state(state):  # in place: compiled code and CUDA graphs read these very tensors
-        saved = [state["step"], *state["exp_avgs"], *state["exp_avg_sqs"]]
-        for x, value in zip([step, *exp_avgs, *exp_avg_sqs], saved):
-            x.copy_(value)
+    # the optimiser's state for checkpoints, loaded in place: compiled code and CUDA graphs read these very tensors
+    optimizer = SimpleNamespace(
+        state_dict=lambda: {"step": step, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        load_state_dict=lambda state: torch._foreach_copy_([step, *exp_avgs, *exp_avg_sqs],
+                                                           [state["step"], *state["exp_avgs"], *state["exp_avg_sqs"]]))
 
     def loss_fn(params, obs, actions, logprobs, advantages, returns, values):
         _, newlogprob, entropy, newvalue = torch.func.functional_call(agent, params, (obs, actions))
@@ -311,8 +304,7 @@ def make_update(args, agent, world_size):
             torch._foreach_mul_(updates, lr / (1 - beta1**step))
             torch._foreach_sub_(weights, updates)
 
-    return compute_grads, apply_grads, set_learning_rate, SimpleNamespace(state_dict=optimizer_state,
-                                                                          load_state_dict=load_optimizer_state)
+    return compute_grads, apply_grads, set_learning_rate, optimizer
 
 
 @torch.no_grad()

@@ -5,9 +5,10 @@ The Nature CNN (Mnih et al., 2015) with a categorical policy head and a value he
 objective, GAE, value clipping, per-minibatch advantage normalisation, an entropy bonus, learning-rate annealing
 and optional `--target-kl` early stopping, with CleanRL's hyper-parameters, on envpool's C++ Atari with the
 standard settings (84x84 grey frames, 4 stacked, 4 frames skipped, up to 30 no-ops at reset, FIRE at reset, a
-lost life ends the learner's episode, rewards clipped to their sign). It computes what ppo_atari_envpool.py
-computes, with GAE as a log-depth scan, the minibatch update as one graph (torch.func.grad and Adam written out),
-torch.compile and CUDA graphs. Needs requirements/requirements-atari.txt.
+lost life ends the learner's episode, rewards clipped to their sign). The compiled twin,
+ppo_atari_envpool_torchcompile.py, computes the same with GAE as a log-depth scan, the minibatch update as one
+graph, torch.compile and CUDA graphs: `diff` the two files to see what compiling takes. Needs
+requirements/requirements-atari.txt.
 
     python leanrl/ppo_atari_envpool_torchcompile.py --compile --cudagraphs
 """
@@ -211,15 +212,12 @@ def compute_gae(next_value, next_done, rewards, values, dones, gamma, gae_lambda
 
 def make_update(args, agent):
     """Builds the minibatch update, a function over tensors on the device with no host synchronisation;
-    returns (update, set_learning_rate, the optimiser: its state_dict and load_state_dict for checkpoints).
-
-    The update compiles into one graph: torch.func.grad replaces loss.backward() and Adam's arithmetic
-    replaces optimizer.step(). torch.compile splits a function at backward() and around
-    optimizer.step(), and each split costs a pass over the weights and a return to Python."""
+    returns (update, set_learning_rate, the optimiser: its state_dict and load_state_dict for checkpoints)."""
+    # it compiles into one graph: torch.func.grad replaces loss.backward() and Adam's arithmetic optimizer.step(), where
+    # torch.compile would split it (each split a pass over the weights and a return to Python)
     params = dict(agent.named_parameters())  # the learner's weights, updated in place
     weights = list(params.values())
-    # torch.optim.Adam's state (eps=1e-5 as in CleanRL). The learning rate is a tensor that annealing
-    # overwrites in place: a float would be baked into the compiled code and the CUDA graph
+    # torch.optim.Adam's state (eps=1e-5 as in CleanRL); lr is a tensor set in place, as a float would be compiled in
     lr = torch.tensor(args.learning_rate, device=weights[0].device)
     beta1, beta2, eps = 0.9, 0.999, 1e-5
     step = torch.zeros((), device=weights[0].device)
@@ -229,13 +227,11 @@ def make_update(args, agent):
     def set_learning_rate(value):
         lr.fill_(value)
 
-    def optimizer_state():
-        return {"step": step, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-
-    def load_optimizer_state(state):  # in place: compiled code and CUDA graphs read these very tensors
-        saved = [state["step"], *state["exp_avgs"], *state["exp_avg_sqs"]]
-        for x, value in zip([step, *exp_avgs, *exp_avg_sqs], saved):
-            x.copy_(value)
+    # the optimiser's state for checkpoints, loaded in place: compiled code and CUDA graphs read these very tensors
+    optimizer = SimpleNamespace(
+        state_dict=lambda: {"step": step, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        load_state_dict=lambda state: torch._foreach_copy_([step, *exp_avgs, *exp_avg_sqs],
+                                                           [state["step"], *state["exp_avgs"], *state["exp_avg_sqs"]]))
 
     def loss_fn(params, obs, actions, logprobs, advantages, returns, values):
         _, newlogprob, entropy, newvalue = torch.func.functional_call(agent, params, (obs, actions))
@@ -289,7 +285,7 @@ def make_update(args, agent):
             torch._foreach_sub_(weights, updates)
         return stats
 
-    return update, set_learning_rate, SimpleNamespace(state_dict=optimizer_state, load_state_dict=load_optimizer_state)
+    return update, set_learning_rate, optimizer
 
 
 @torch.no_grad()

@@ -4,8 +4,9 @@ Schulman et al., "Proximal Policy Optimization Algorithms", 2017, https://arxiv.
 A Gaussian policy with a state-independent log-std, the clipped surrogate objective, GAE, value
 clipping, per-minibatch advantage normalisation, an entropy bonus, learning-rate annealing, optional
 `--target-kl` early stopping, and observation / reward normalisation with clipping, with CleanRL's
-hyper-parameters. The compiled twin is ppo_continuous_action_torchcompile.py; `diff` the two files
-to see what compiling takes.
+hyper-parameters. The compiled twin, ppo_continuous_action_torchcompile.py, computes the same with GAE as a
+log-depth scan, the minibatch update as one graph (torch.func.grad and Adam written out), torch.compile and CUDA
+graphs: `diff` the two files to see what compiling takes.
 
     python leanrl/ppo_continuous_action.py --env-id HalfCheetah-v5 --total-timesteps 1000000
 """

@@ -2,8 +2,9 @@
 
 Haarnoja et al., "Soft Actor-Critic Algorithms and Applications", 2018, https://arxiv.org/abs/1812.05905
 Twin Q-networks with Polyak-averaged targets, automatic entropy tuning and CleanRL's delayed (but
-compensated) policy updates, with CleanRL's hyper-parameters. The compiled twin is
-sac_continuous_action_torchcompile.py; `diff` the two files to see what compiling takes.
+compensated) policy updates, with CleanRL's hyper-parameters. The compiled twin,
+sac_continuous_action_torchcompile.py, computes the same with stacked Q-networks under torch.vmap, torch.compile,
+CUDA graphs and an acting copy of the policy: `diff` the two files to see what compiling takes.
 
     python leanrl/sac_continuous_action.py --env-id HalfCheetah-v5 --total-timesteps 1000000
 """

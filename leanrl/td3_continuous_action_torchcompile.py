@@ -3,8 +3,9 @@
 Fujimoto et al., "Addressing Function Approximation Error in Actor-Critic Methods", 2018,
 https://arxiv.org/abs/1802.09477. Twin Q-networks (the smaller target wins), target policy
 smoothing, delayed actor and target updates, Gaussian exploration noise, with CleanRL's
-hyper-parameters. It computes what td3_continuous_action.py computes, with stacked Q-networks under
-torch.vmap, torch.compile, CUDA graphs and an acting copy of the policy.
+hyper-parameters. The compiled twin, td3_continuous_action_torchcompile.py, computes the same with stacked
+Q-networks under torch.vmap, torch.compile, CUDA graphs and an acting copy of the policy: `diff` the two files to
+see what compiling takes.
 
     python leanrl/td3_continuous_action_torchcompile.py --compile --cudagraphs
 """
