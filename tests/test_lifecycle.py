@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import tyro
-from conftest import LEANRL, assert_rejected, load_script, run_script, summary_of
+from conftest import LEANRL, assert_rejected, load_script, run_main, run_script, summary_of
 
 try:
     import envpool  # noqa: F401
@@ -29,7 +29,8 @@ except ImportError:
 NEEDS_ENVPOOL = pytest.mark.skipif(not HAS_ENVPOOL, reason="envpool is not installed: pip install -r requirements/requirements-atari.txt")
 
 PPO, SAC, TD3, ATARI = "ppo_continuous_action", "sac_continuous_action", "td3_continuous_action", "ppo_atari_envpool"
-# run here as one process; tests/test_ppo_atari_multigpu.py stops, resumes and diverges it under torchrun
+# run here in this process, a group of one; tests/test_ppo_atari_multigpu.py stops, resumes and diverges it under
+# torchrun
 MULTI = "ppo_atari_envpool_multigpu"
 # per script: a short run that reaches several updates, and the steps in one iteration
 SHORT = {
@@ -63,7 +64,7 @@ def test_every_script_is_covered_here():
 def test_checkpoint_round_trip(script, name, workdir):
     """The saved weights act exactly as the trained ones: a finished run's checkpoint, resumed with no
     step left to train, evaluates (deterministic actions, same evaluation seeds) to the same return."""
-    proc = run_script(name, *SHORT[script], "--save-model", "--eval-episodes", "1", cwd=workdir)
+    proc = run_main(name, *SHORT[script], "--save-model", "--eval-episodes", "1", cwd=workdir)
     first = summary_of(proc, workdir)
     path = workdir / first["checkpoint"]
     assert path.is_file() and not Path(f"{path}.tmp").exists()
@@ -75,7 +76,7 @@ def test_checkpoint_round_trip(script, name, workdir):
     assert checkpoint["script"] == f"{name}.py" and checkpoint["global_step"] == first["global_step"]
 
     # --seed on the command line is a run argument: the checkpoint's seed stays, with a note
-    proc = run_script(name, "--resume", path, "--eval-episodes", "1", "--seed", "7", cwd=workdir)
+    proc = run_main(name, "--resume", path, "--eval-episodes", "1", "--seed", "7", cwd=workdir)
     again = summary_of(proc, workdir)
     assert again["resumed_from"] == str(path)
     assert again["seed"] == first["seed"] and "--seed stays 1" in proc.stderr
@@ -87,7 +88,7 @@ def test_checkpoint_round_trip(script, name, workdir):
 @pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI], twins=False))
 def test_same_seed_same_run(script, name, workdir):
     """Determinism on the CPU: two eager runs with the same seed give the same returns and losses."""
-    runs = [summary_of(run_script(name, *SHORT[script], cwd=workdir), workdir) for _ in range(2)]
+    runs = [summary_of(run_main(name, *SHORT[script], cwd=workdir), workdir) for _ in range(2)]
     keys = ("global_step", "episodes", "episodic_return", "losses")
     assert [{k: run[k] for k in keys} for run in runs][0] == {k: runs[1][k] for k in keys}
 
@@ -167,7 +168,7 @@ def test_divergence_stops_with_one_line_and_keeps_the_checkpoint(script, name, w
     """A learning rate of 1e30 makes the losses non-finite within a few updates: the run stops at the
     next log point with one line naming the loss and the step, exit code 1, a valid summary, and the
     last periodic checkpoint left readable. SAC and TD3 always save one before they diverge."""
-    proc = run_script(name, *SHORT[script], *DIVERGE[script], "--save-model", cwd=workdir)
+    proc = run_main(name, *SHORT[script], *DIVERGE[script], "--save-model", cwd=workdir)
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "at global step" in errors[0] and "the run diverged" in errors[0], proc.stderr
@@ -239,9 +240,9 @@ def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monk
     """--resume CKPT --total-timesteps N continues a finished run to step N, updating again (off-policy: after
     the refill of the replay buffer; PPO: annealing re-planned to reach 0 at the new end); an N below the
     checkpoint's step is a one-line error."""
-    first = summary_of(run_script(name, *SHORT[script], "--save-model", "--eval-episodes", "0", cwd=workdir), workdir)
+    first = summary_of(run_main(name, *SHORT[script], "--save-model", "--eval-episodes", "0", cwd=workdir), workdir)
     path = workdir / first["checkpoint"]
-    proc = run_script(name, "--resume", path, "--total-timesteps", "768", cwd=workdir)
+    proc = run_main(name, "--resume", path, "--total-timesteps", "768", cwd=workdir)
     extended = summary_of(proc, workdir)
     assert extended["global_step"] == 768 and extended["episodes"] == 3  # Pendulum: 200 steps an episode
     loss = "value_loss" if script == PPO else "qf_loss"

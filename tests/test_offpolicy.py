@@ -8,7 +8,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import MISSING_SIMULATOR, assert_rejected, assert_rejected_on_the_command_line, load_script, run_script, summary_of
+from conftest import (
+    MISSING_SIMULATOR, assert_rejected, assert_rejected_on_the_command_line, load_script, run_main, run_script, summary_of,
+)
 from tensordict import from_modules
 
 SAC, SAC_TWIN = "sac_continuous_action", "sac_continuous_action_torchcompile"
@@ -39,7 +41,7 @@ SHORT = ["--env-id", "Pendulum-v1", "--learning-starts", "100", "--total-timeste
     ],
 )
 def test_short_run(script, flags, workdir):
-    proc = run_script(script, *SHORT, *flags, cwd=workdir)
+    proc = run_main(script, *SHORT, *flags, cwd=workdir)
     summary = summary_of(proc, workdir)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["script"] == f"{script}.py"
@@ -65,7 +67,7 @@ def test_diverged_run_still_ends_with_valid_json(script, workdir):
     read of the losses with one line naming the loss and the step, exit code 1, and a valid summary
     that says null where a number is not finite."""
     lr_flags = ["--q-lr", "1e30", "--policy-lr", "1e30"] if script == SAC else ["--learning-rate", "1e30"]
-    proc = run_script(script, *SHORT, *lr_flags, cwd=workdir)
+    proc = run_main(script, *SHORT, *lr_flags, cwd=workdir)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].endswith("the run diverged; no checkpoint was saved"), proc.stderr
@@ -77,7 +79,7 @@ def test_diverged_run_still_ends_with_valid_json(script, workdir):
 
 
 def test_track_logs_to_wandb_offline(workdir):
-    proc = run_script(SAC_TWIN, *SHORT, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
+    proc = run_main(SAC_TWIN, *SHORT, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
     summary_of(proc, workdir)
     assert list((workdir / "wandb").glob("offline-run-*")), "no offline wandb run was written"
 
@@ -300,7 +302,7 @@ def test_bad_input_on_the_command_line(script, workdir):
 
 @pytest.mark.parametrize("script", ALL)
 def test_help(script, workdir):
-    proc = run_script(script, "--help", cwd=workdir)
+    proc = run_main(script, "--help", cwd=workdir)
     assert proc.returncode == 0
     for flag in ("--env-id", "--total-timesteps", "--learning-starts", "--measure-burnin", "--track", "--capture-video"):
         assert flag in proc.stdout

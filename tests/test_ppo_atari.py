@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import assert_rejected, assert_rejected_on_the_command_line, load_script, run_script, summary_of
+from conftest import assert_rejected, assert_rejected_on_the_command_line, load_script, run_main, run_script, summary_of
 
 envpool = pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements/requirements-atari.txt")
 
@@ -38,7 +38,7 @@ MODES = [
     ],
 )
 def test_short_run(script, flags, workdir):
-    proc = run_script(script, *SHORT, *flags, cwd=workdir)
+    proc = run_main(script, *SHORT, *flags, cwd=workdir)
     summary = summary_of(proc, workdir)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["script"] == f"{script}.py" and summary["env_id"] == "Breakout-v5"
@@ -329,7 +329,7 @@ def test_bad_input_on_the_command_line(script, workdir):
 
 @pytest.mark.parametrize("script", [PPO, PPO_TWIN])
 def test_help(script, workdir):
-    proc = run_script(script, "--help", cwd=workdir)
+    proc = run_main(script, "--help", cwd=workdir)
     assert proc.returncode == 0
     for flag in ("--env-id", "--total-timesteps", "--num-envs", "--num-minibatches", "--target-kl", "--no-anneal-lr", "--track"):
         assert flag in proc.stdout

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import LEANRL, assert_rejected, assert_rejected_on_the_command_line, load_script, run_script, summary_of
+from conftest import LEANRL, assert_rejected, assert_rejected_on_the_command_line, load_script, run_main, summary_of
 
 envpool = pytest.importorskip("envpool", reason="envpool is not installed: pip install -r requirements/requirements-atari.txt")
 
@@ -359,7 +359,7 @@ def test_bad_input_on_the_command_line(name, workdir):
 
 @pytest.mark.parametrize("name", [MULTI, MULTI_TWIN])
 def test_help(name, workdir):
-    proc = run_script(name, "--help", cwd=workdir)
+    proc = run_main(name, "--help", cwd=workdir)
     assert proc.returncode == 0
     for flag in ("--local-num-envs", "--backend", "--total-timesteps", "--num-minibatches", "--target-kl", "--save-model"):
         assert flag in proc.stdout

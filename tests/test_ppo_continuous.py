@@ -7,7 +7,9 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from conftest import MISSING_SIMULATOR, assert_rejected, assert_rejected_on_the_command_line, load_script, run_script, summary_of
+from conftest import (
+    MISSING_SIMULATOR, assert_rejected, assert_rejected_on_the_command_line, load_script, run_main, run_script, summary_of,
+)
 
 PPO, PPO_TWIN = "ppo_continuous_action", "ppo_continuous_action_torchcompile"
 SUMMARY_KEYS = {
@@ -40,7 +42,7 @@ MODES = [
     ],
 )
 def test_short_run(script, flags, workdir):
-    proc = run_script(script, *SHORT, *flags, cwd=workdir)
+    proc = run_main(script, *SHORT, *flags, cwd=workdir)
     summary = summary_of(proc, workdir)
     assert SUMMARY_KEYS <= summary.keys()
     assert summary["script"] == f"{script}.py"
@@ -64,7 +66,7 @@ def test_short_run(script, flags, workdir):
 def test_diverged_run_still_ends_with_valid_json(script, workdir):
     """A learning rate of 1e30 turns the weights into inf and NaN after the first update: the run stops
     with exit code 1 and one line saying so, and the summary says null where a number is not finite."""
-    proc = run_script(script, *SHORT, "--learning-rate", "1e30", cwd=workdir)
+    proc = run_main(script, *SHORT, "--learning-rate", "1e30", cwd=workdir)
     assert proc.returncode == 1, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: value_loss is nan at global step 64: the run diverged; no checkpoint was saved"], proc.stderr
@@ -76,13 +78,13 @@ def test_nan_explained_variance_is_not_a_divergence(workdir):
     """One step per rollout: the returns' variance is nan, so is the explained variance; the losses are finite and
     the run ends normally, with null for that value in the summary."""
     flags = ["--env-id", "Pendulum-v1", "--num-steps", "1", "--num-minibatches", "1", "--no-norm-adv"]
-    summary = summary_of(run_script(PPO, *flags, "--total-timesteps", "8", cwd=workdir), workdir)
+    summary = summary_of(run_main(PPO, *flags, "--total-timesteps", "8", cwd=workdir), workdir)
     assert summary["global_step"] == 8 and summary["diverged"] is False
     assert summary["losses"]["explained_variance"] is None and math.isfinite(summary["losses"]["value_loss"])
 
 
 def test_track_logs_to_wandb_offline(workdir):
-    proc = run_script(PPO, *SHORT, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
+    proc = run_main(PPO, *SHORT, "--track", cwd=workdir, env={"WANDB_MODE": "offline"})
     summary_of(proc, workdir)
     assert list((workdir / "wandb").glob("offline-run-*")), "no offline wandb run was written"
 
@@ -283,7 +285,7 @@ def test_bad_input_on_the_command_line(script, workdir):
 
 @pytest.mark.parametrize("script", [PPO, PPO_TWIN])
 def test_help(script, workdir):
-    proc = run_script(script, "--help", cwd=workdir)
+    proc = run_main(script, "--help", cwd=workdir)
     assert proc.returncode == 0
     for flag in ("--env-id", "--total-timesteps", "--num-steps", "--num-minibatches", "--target-kl", "--no-anneal-lr", "--measure-burnin", "--track"):
         assert flag in proc.stdout
