@@ -13,6 +13,7 @@ requirements/requirements-atari.txt.
     python leanrl/ppo_atari_envpool_torchcompile.py --compile --cudagraphs
 """
 
+import contextlib
 import csv
 import dataclasses
 import difflib
@@ -459,15 +460,16 @@ def main(args: Args) -> dict:
 # and a gather (every process's object, in rank order): rank 0 alone writes and speaks, and they agree on stopping.
 # ==================================================================================================================
 
-# what a resumed run takes from its own command line; the other arguments come from the checkpoint
-SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "save_model",
-                 "checkpoint_every", "resume", "eval_episodes", "compile", "cudagraphs", "measure_burnin", "log_every",
-                 "backend"}
+# what a resumed run takes from its own command line; the other arguments come from the checkpoint, but for
+# RUN_FLAGS where the command line gives them: the saving flags belong to the run, and a larger budget extends it
+SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "resume", "eval_episodes",
+                 "compile", "cudagraphs", "measure_burnin", "log_every", "backend"}
+RUN_FLAGS = {"total_timesteps", "save_model", "checkpoint_every", "save_buffer"}
 
 
-def note(message):  # on stderr, by one process: under torchrun every process would say the same
+def note(message):  # on stderr, by one process (under torchrun every process would say the same), above the bar
     if int(os.environ.get("RANK", 0)) == 0:
-        print(message, file=sys.stderr)
+        tqdm.tqdm.write(message, file=sys.stderr)
 
 
 def fail(message):  # bad input ends in one line and exit code 2, never in a traceback; every process stops
@@ -508,19 +510,20 @@ def load_checkpoint(path):
     writer = checkpoint.get("script") if isinstance(checkpoint, dict) else None
     if writer != script:
         fail(f"--resume {path} was written by {writer or 'something else'}, not {script}: resume it with that script")
-    if "state" not in checkpoint:  # the layout before the plumbing block
+    if "run_name" not in checkpoint:  # an earlier layout
         fail(f"--resume {path} was written by an older {script}: resume it with that version")
     return checkpoint
 
 
 def resume_args(args, checkpoint):
-    """The checkpoint's run arguments with this command line's session flags and, if given (not at its default),
-    its --total-timesteps: the run then continues to that step."""
+    """The checkpoint's run arguments with this command line's session flags and the RUN_FLAGS that it gives."""
+    # the flags typed: --name, --name=value or --no-name (a value equal to the default counts as given)
+    given = {a.split("=")[0][2:].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
     merged = {}
     for name, value in vars(args).items():
-        given, saved = value != getattr(Args, name, None), checkpoint["args"].get(name, value)
-        merged[name] = value if name in SESSION_FLAGS or (name == "total_timesteps" and given) else saved
-        if given and merged[name] != value:
+        saved = checkpoint["args"].get(name, value)
+        merged[name] = value if name in SESSION_FLAGS or (name in RUN_FLAGS and name in given) else saved
+        if name in given and merged[name] != value:
             note(f"note: --resume continues the checkpoint's run: {flag(name)} stays {saved}")
     return Args(**merged)
 
@@ -529,7 +532,8 @@ class Run:
     """The run around the algorithm. Run(args, arg_errors) checks the arguments (a --resume checkpoint's first),
     seeds torch and picks the device; start() restores the checkpoint and opens the record; iterations() drives
     the loop; episodes_done() and log() keep the latest returns and losses; finish() saves, evaluates and writes
-    the summary."""
+    the summary. A resumed run continues in the checkpoint's run folder, its record cut back to the checkpoint's
+    step. A file that cannot be written (disk full, folder gone) costs a warning, never the training."""
 
     def __init__(self, args, arg_errors):
         self.checkpoint = load_checkpoint(args.resume) if args.resume else None
@@ -551,11 +555,20 @@ class Run:
         self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.path = f"runs/{self.name}"
         self.global_step, self.episodes, self.returns = 0, 0, deque(maxlen=10)  # the last 10 finished episodes
-        self.finished, self.losses, self.diverged, self.saved, self.logged_step = [], {}, None, False, None
+        self.finished, self.losses, self.diverged, self.logged_step = [], {}, None, None
+        self.saved_step, self.tried_step, self.save_error, self.unwritable = None, None, None, set()
         self.stop_signal, self.stop_time = None, 0.0
+        self.resumes, self.wall_before, self.wandb_id = 0, 0.0, None
         if self.checkpoint:
             self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
             self.returns.extend(self.checkpoint["returns"])
+            self.resumes, self.wall_before = self.checkpoint["resumes"] + 1, self.checkpoint["wall_seconds"]
+            self.wandb_id, folder = self.checkpoint["wandb_id"], os.path.dirname(args.resume) or "."
+            if os.path.basename(os.path.abspath(folder)) == self.checkpoint["run_name"]:
+                self.name, self.path = self.checkpoint["run_name"], folder
+            else:  # copied elsewhere: its run folder may be gone, or on another machine
+                note(f"note: {args.resume} is not in its run folder, runs/{self.checkpoint['run_name']}: the run "
+                     f"continues in {self.path}")
 
     def start(self, state, losses, checked=None):
         """Copies the checkpoint into `state` (name: a tensor, or anything with state_dict and load_state_dict) in
@@ -565,6 +578,8 @@ class Run:
         if self.checkpoint:
             with torch.no_grad():
                 for name, obj in state.items():
+                    if name not in self.checkpoint["state"]:  # saved without it (a replay buffer): starts afresh
+                        continue
                     if isinstance(obj, torch.Tensor):
                         obj.copy_(self.checkpoint["state"][name])
                     else:
@@ -576,20 +591,44 @@ class Run:
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
+        self.metrics_file, crash_step = open(os.devnull, "w"), None
         if self.rank == 0:
-            os.makedirs(self.path, exist_ok=True)
-        self.metrics_file = open(f"{self.path}/metrics.csv" if self.rank == 0 else os.devnull, "w", newline="",
-                                 buffering=1)  # line by line: a kill loses no row
-        self.metrics = csv.DictWriter(self.metrics_file, ["global_step", "wall_seconds", "episodic_return", "sps",
-                                                          *losses], lineterminator="\n")
-        self.metrics.writeheader()
-        self.wandb = None
+            try:
+                os.makedirs(self.path, exist_ok=True)
+                if self.checkpoint:
+                    self.logged_step, crash_step = self.cut_metrics(f"{self.path}/metrics.csv")
+                # appended to line by line: a kill loses no row
+                self.metrics_file = open(f"{self.path}/metrics.csv", "a", newline="", buffering=1)
+            except OSError as e:
+                self.cannot_write(f"{self.path}/metrics.csv", e)
+        fields = ["global_step", "wall_seconds", "episodic_return", "sps", *losses]
+        self.metrics = csv.DictWriter(self.metrics_file, fields, lineterminator="\n")
+        if self.metrics_file.tell() == 0:
+            self.write_metrics(dict(zip(fields, fields)))  # the header
+        self.wandb, self.wandb_logged = None, 0  # the last step that the wandb run has
         if self.args.track and self.rank == 0:
             import wandb  # only when asked for: no account or network needed otherwise
 
             self.wandb = wandb
             wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, config=vars(self.args),
-                       name=self.name, save_code=True)
+                       name=self.name, save_code=True, id=self.wandb_id, resume="allow" if self.wandb_id else None)
+            if self.wandb_id and crash_step:  # rewinding a wandb run is a preview feature: no step is logged twice
+                self.wandb_logged = crash_step
+                note(f"note: wandb run {self.wandb_id} continues; its steps {self.global_step + 1}-{crash_step} keep "
+                     "the values logged before the crash")
+            self.wandb_id = wandb.run.id
+
+    def cut_metrics(self, path):
+        """Cuts metrics.csv back to the checkpoint's step: the later rows are work that the crash lost. Returns the
+        last step kept and the last step cut (or None)."""
+        if not os.path.exists(path):
+            return None, None
+        with open(path, "rb+") as f:
+            lines = f.readlines()
+            steps = [int(s) if (s := line.split(b",")[0]).isdigit() else None for line in lines[1:]]  # None: cut off
+            kept = len(list(itertools.takewhile(lambda s: s is not None and s <= self.global_step, steps)))
+            f.truncate(sum(map(len, lines[: 1 + kept])))
+        return steps[kept - 1] if kept else None, max(filter(None, steps[kept:]), default=None)
 
     def iterations(self, num_iterations, steps_per_iteration, first_update):
         """The iterations left to train. After each: the losses are read (a host-device sync) every --log-every, at
@@ -599,6 +638,7 @@ class Run:
         warm-up) for --measure-burnin, then steady state (sps)."""
         args, saved_step = self.args, self.global_step
         every = args.checkpoint_every if args.save_model else 0
+        first_update = max(first_update, self.global_step // steps_per_iteration)  # a resumed run's may be past
         steady_from = min(first_update + args.measure_burnin, num_iterations)
         self.start_time, self.burnin_start, self.steady_start, self.steady_step = time.perf_counter(), None, None, 0
         handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -624,8 +664,10 @@ class Run:
                 if self.diverged or stopping:  # never a checkpoint of diverged weights
                     break
                 if due:
-                    self.save()
-                    saved_step = self.global_step
+                    error = self.save()
+                    if error and not self.save_error:  # once: the next periodic saves try again, silently
+                        note(f"warning: {error}: training goes on, and the next save tries again")
+                    self.save_error, saved_step = error, self.global_step
         finally:
             self.end_time = time.perf_counter()
             self.bar.close()
@@ -654,43 +696,77 @@ class Run:
         diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])), None)
         self.diverged = next((d for d in self.gather(diverged) if d), None)  # in any process: all of them stop
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
-        self.metrics.writerow({"global_step": self.global_step, "wall_seconds": round(now - self.start_time, 3),
-                               **logs})
-        if self.wandb:
+        wall = round(self.wall_before + now - self.start_time, 3)
+        self.write_metrics({"global_step": self.global_step, "wall_seconds": wall, **logs})
+        if self.wandb and self.global_step > self.wandb_logged:
             self.wandb.log({k: v for k, v in logs.items() if v is not None}, step=self.global_step)
         self.logged_step = self.global_step
 
-    def save(self):  # beside the checkpoint, then renamed over it: a kill mid-write leaves the last one whole
+    def write_metrics(self, row):
+        try:
+            self.metrics.writerow(row)
+        except OSError as e:
+            self.cannot_write(f"{self.path}/metrics.csv", e)
+
+    def cannot_write(self, path, error):  # once a file: a record that cannot be written never ends the training
+        if path not in self.unwritable:
+            self.unwritable.add(path)
+            note(f"warning: cannot write {path} ({error}): the run goes on without it")
+
+    def save(self):
+        """Writes the checkpoint beside the last one, then renames it over it: a kill mid-write leaves the last one
+        whole. Returns None, or the error (disk full, folder gone) that left the last one in place."""
         rng = self.gather({"torch": torch.get_rng_state(),  # every process's generators
                            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []})
-        if self.rank == 0:
-            torch.save({"script": os.path.basename(__file__), "args": dataclasses.asdict(self.args),
-                        "global_step": self.global_step, "episodes": self.episodes, "returns": list(self.returns),
-                        "rng": rng, "state": {k: v.detach() if isinstance(v, torch.Tensor) else v.state_dict()
-                                              for k, v in self.state.items()}}, f"{self.path}/checkpoint.pt.tmp")
-            os.replace(f"{self.path}/checkpoint.pt.tmp", f"{self.path}/checkpoint.pt")
-        self.saved = True
+        self.tried_step, path = self.global_step, f"{self.path}/checkpoint.pt"  # tried by every process, in step
+        if self.rank != 0:
+            return None
+        try:
+            with open(f"{path}.tmp", "wb") as f:  # through a Python file, a write fails with the OS's reason
+                torch.save({"script": os.path.basename(__file__), "args": dataclasses.asdict(self.args),
+                            "run_name": self.name, "global_step": self.global_step, "episodes": self.episodes,
+                            "returns": list(self.returns), "rng": rng, "resumes": self.resumes,
+                            "wall_seconds": self.wall_before + time.perf_counter() - self.start_time,
+                            "wandb_id": self.wandb_id,
+                            "state": {k: v.detach() if isinstance(v, torch.Tensor) else v.state_dict()
+                                      for k, v in self.state.items()}}, f)
+            os.replace(f"{path}.tmp", path)
+        except (OSError, RuntimeError) as e:
+            reason = e if isinstance(e, OSError) else e.__context__  # torch's zip writer raises over the OS's error
+            if not isinstance(reason, OSError):
+                raise
+            with contextlib.suppress(OSError):
+                os.remove(f"{path}.tmp")
+            return f"cannot write {path} ({reason})"
+        self.saved_step = self.global_step
+        return None
 
     def finish(self, evaluate, **extra):
         """The final checkpoint (none of diverged weights), the evaluation of the final policy (also after a stop,
         never after a divergence), and the summary (with `extra`'s keys): the last line on stdout and summary.json.
-        wall_seconds is the training loop's time, without evaluation. exit_code: 0, 1 diverged, 128 + a signal."""
+        wall_seconds is the training loop's time over all resumes, without evaluation. exit_code: 0, 1 diverged or
+        the final checkpoint not written, 128 + a signal."""
         args, end, steady_start, steady_step = self.args, self.end_time, self.steady_start, self.steady_step
-        if self.logged_step != self.global_step:  # a finished run resumed: its curve still ends at its last step
+        if self.logged_step != self.global_step:  # a finished run resumed elsewhere: its curve ends at its last step
             self.write_row()
-        self.metrics_file.close()
+        with contextlib.suppress(OSError):  # said at the write that failed
+            self.metrics_file.close()
+        final_error = None
         if self.diverged:
-            where = f"the last checkpoint, {self.path}/checkpoint.pt, is intact" if self.saved else \
+            where = f"the last checkpoint, {self.path}/checkpoint.pt, is intact" if self.saved_step else \
                 "no checkpoint was saved"
             note(f"error: {self.diverged[0]} is {self.diverged[1]} at global step {self.global_step}: the run "
                  f"diverged; {where}")
-        elif args.save_model:
-            self.save()
+        elif args.save_model:  # unless the last periodic save was at this step
+            final_error = self.save() if self.tried_step != self.global_step else self.save_error
+            if final_error:
+                where = "the last periodic one is intact" if self.saved_step else "no checkpoint was saved"
+                note(f"error: {final_error}: the final checkpoint is lost, {where}")
         summary = {
             "script": os.path.basename(__file__), "env_id": args.env_id, "seed": args.seed,
             "compile": getattr(args, "compile", False), "cudagraphs": getattr(args, "cudagraphs", False),
             "device": str(self.device), "torch": torch.__version__, "global_step": self.global_step,
-            "wall_seconds": round(end - self.start_time, 3),
+            "wall_seconds": round(self.wall_before + end - self.start_time, 3),
             "compile_seconds": round((steady_start or end) - self.burnin_start, 3) if self.burnin_start else None,
             "sps": round((self.global_step - steady_step) / (end - steady_start), 2)
             if steady_start and self.global_step > steady_step else None,
@@ -698,16 +774,21 @@ class Run:
             else None,
             "episodes": self.episodes, **extra,
             "losses": {k: float(v) if math.isfinite(float(v)) else None for k, v in self.losses.items()},  # not NaN
-            "run_name": self.name, "checkpoint": f"{self.path}/checkpoint.pt" if self.saved else None,
+            "run_name": self.name,
+            "checkpoint": f"{self.path}/checkpoint.pt" if self.saved_step and not final_error else None,
             "eval_return": evaluate() if args.eval_episodes > 0 and not self.diverged else None,
             "eval_episodes": args.eval_episodes, "interrupted": self.stop_signal is not None,
-            "diverged": self.diverged is not None, "resumed_from": args.resume,
-            "exit_code": 1 if self.diverged else 128 + self.stop_signal if self.stop_signal else 0,
+            "diverged": self.diverged is not None, "resumed_from": args.resume, "resumes": self.resumes,
+            "checkpoint_error": final_error,
+            "exit_code": 1 if self.diverged or final_error else 128 + self.stop_signal if self.stop_signal else 0,
         }
         if self.rank != 0:  # rank 0 alone says how the run ended: torchrun stops every process once one fails
             return {**summary, "exit_code": 0}
-        with open(f"{self.path}/summary.json", "w") as f:
-            json.dump(summary, f)
+        try:
+            with open(f"{self.path}/summary.json", "w") as f:
+                json.dump(summary, f)
+        except OSError as e:
+            self.cannot_write(f"{self.path}/summary.json", e)
         if self.wandb:
             self.wandb.summary.update(summary)
             self.wandb.finish()

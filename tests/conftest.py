@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import gymnasium as gym
 import pytest
@@ -81,7 +82,8 @@ def run_main(name, *flags, cwd, env=None):
     module = load_script(name)
     out, err, returncode, here = _Output(), _Output(), None, os.getcwd()
     try:
-        with _environment(changes), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with _environment(changes), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch.object(sys, "argv", [f"{name}.py", *flags]):  # a resumed run reads which flags were typed
             os.chdir(cwd)
             try:
                 returncode = module.main(tyro.cli(module.Args, args=flags, prog=f"{name}.py"))["exit_code"]
@@ -143,7 +145,7 @@ def assert_rejected(script, flags, message, capsys):
     `error: ...` on stderr that contains `message`. In-process: a subprocess per case would cost
     seconds of imports (assert_rejected_on_the_command_line runs the command itself)."""
     module = load_script(script)
-    with pytest.raises(SystemExit) as exit:
+    with pytest.raises(SystemExit) as exit, mock.patch.object(sys, "argv", [f"{script}.py", *flags]):
         module.main(tyro.cli(module.Args, args=flags))
     assert exit.value.code == 2
     out, err = capsys.readouterr()

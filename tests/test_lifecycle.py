@@ -5,6 +5,8 @@ same return as the run itself did, which holds only if every weight (and PPO's n
 statistics) survives the round trip. A run stopped by a signal writes its summary and checkpoint, and
 resuming it ends where an uninterrupted run ends."""
 
+import builtins
+import errno
 import json
 import math
 import os
@@ -75,14 +77,16 @@ def test_checkpoint_round_trip(script, name, workdir):
     checkpoint = torch.load(path, weights_only=True)  # tensors, numbers and strings only
     assert checkpoint["script"] == f"{name}.py" and checkpoint["global_step"] == first["global_step"]
 
-    # --seed on the command line is a run argument: the checkpoint's seed stays, with a note
-    proc = run_main(name, "--resume", path, "--eval-episodes", "1", "--seed", "7", cwd=workdir)
+    # --seed on the command line is a run argument: the checkpoint's seed stays, with a note; --save-model belongs
+    # to the run too, but the command line may change it
+    proc = run_main(name, "--resume", path, "--eval-episodes", "1", "--seed", "7", "--no-save-model", cwd=workdir)
     again = summary_of(proc, workdir)
     assert again["resumed_from"] == str(path)
+    assert again["run_name"] == first["run_name"] and again["resumes"] == 1  # the same run, in its own folder
     assert again["seed"] == first["seed"] and "--seed stays 1" in proc.stderr
     assert again["global_step"] == first["global_step"] and again["episodes"] == first["episodes"]
     assert again["eval_return"] == first["eval_return"]
-    assert again["checkpoint"] is None  # no --save-model this time
+    assert again["checkpoint"] is None  # --no-save-model
 
 
 @pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI], twins=False))
@@ -148,7 +152,9 @@ def test_stop_and_resume(script, signum, workdir):
     checkpoint = torch.load(workdir / summary["checkpoint"], weights_only=True)
     assert checkpoint["global_step"] == summary["global_step"]
 
-    resumed = summary_of(run_script(script, "--resume", workdir / summary["checkpoint"], cwd=workdir), workdir)
+    resumed = summary_of(run_script(script, "--resume", workdir / summary["checkpoint"], "--eval-episodes", "1",
+                                    cwd=workdir), workdir)
+    assert resumed["run_name"] == summary["run_name"] and len(list((workdir / "runs").iterdir())) == 1
     assert resumed["global_step"] == total // ITERATION_STEPS[script] * ITERATION_STEPS[script]
     assert resumed["interrupted"] is False and resumed["exit_code"] == 0
     assert resumed["episodes"] >= summary["episodes"]
@@ -200,6 +206,7 @@ BAD_INPUTS = [
     ([PPO, SAC, TD3, ATARI, MULTI], ["--checkpoint-every", "100"], "--checkpoint-every needs --save-model"),
     ([PPO, SAC, TD3, ATARI, MULTI], ["--eval-episodes", "-1"], "--eval-episodes must be >= 0, got -1"),
     ([PPO, SAC, TD3], ["--capture-video"], "--capture-video writes to videos/, which cannot be written here"),
+    ([SAC, TD3], ["--save-buffer"], "--save-buffer needs --save-model"),
 ]
 
 
@@ -232,6 +239,7 @@ def test_offpolicy_help_says_how_the_buffer_is_resumed(script, capsys):
         tyro.cli(module.Args, args=["--help"])
     out = " ".join(capsys.readouterr().out.split())  # tyro wraps the help to the terminal's width
     assert "refill" in out and "--learning-starts" in out and "extends the run" in out
+    assert "--save-buffer" in out and "MB per million steps" in out
 
 
 # eager scripts: the twins share the plumbing block byte for byte, and test_checkpoint_round_trip restores them
@@ -242,7 +250,7 @@ def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monk
     checkpoint's step is a one-line error."""
     first = summary_of(run_main(name, *SHORT[script], "--save-model", "--eval-episodes", "0", cwd=workdir), workdir)
     path = workdir / first["checkpoint"]
-    proc = run_main(name, "--resume", path, "--total-timesteps", "768", cwd=workdir)
+    proc = run_main(name, "--resume", path, "--total-timesteps", "768", "--eval-episodes", "0", cwd=workdir)
     extended = summary_of(proc, workdir)
     assert extended["global_step"] == 768 and extended["episodes"] == 3  # Pendulum: 200 steps an episode
     loss = "value_loss" if script == PPO else "qf_loss"
@@ -251,7 +259,7 @@ def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monk
         assert extended["losses"]["learning_rate"] == pytest.approx(3e-4 / 12)
     assert "stays" not in proc.stderr  # the budget is not a flag that the checkpoint keeps
     monkeypatch.chdir(workdir)
-    step = first["global_step"]
+    step = extended["global_step"]  # the extended run checkpoints in its folder: --save-model came with the run
     assert_rejected(name, ["--resume", str(path), "--total-timesteps", "300"],
                     f"--total-timesteps 300 ends before the checkpoint's step {step}: give {step} or more", capsys)
 
@@ -267,8 +275,8 @@ def test_resume_keeps_this_runs_capturable(saved, now, workdir, monkeypatch):
     optimizer = torch.optim.Adam([param], capturable=saved)
     torch.save({
         "script": f"{SAC}_torchcompile.py", "args": {"env_id": "Pendulum-v1"}, "global_step": 0, "episodes": 0,
-        "returns": [], "rng": [{"torch": torch.get_rng_state(), "cuda": []}],
-        "state": {"optimizer": optimizer.state_dict()},
+        "returns": [], "rng": [{"torch": torch.get_rng_state(), "cuda": []}], "run_name": "a_run", "resumes": 0,
+        "wall_seconds": 1.0, "wandb_id": None, "state": {"optimizer": optimizer.state_dict()},
     }, workdir / "checkpoint.pt")
     run = module.Run(module.Args(resume=str(workdir / "checkpoint.pt"), total_timesteps=10_000), module.arg_errors)
     optimizer = torch.optim.Adam([param], capturable=now)
@@ -276,3 +284,168 @@ def test_resume_keeps_this_runs_capturable(saved, now, workdir, monkeypatch):
     run.metrics_file.close()
     assert run.args.env_id == "Pendulum-v1"  # the checkpoint's run arguments were taken
     assert optimizer.param_groups[0]["capturable"] is now
+
+
+KILLED = [*SHORT[SAC][:-5], "900", "--batch-size", "32", "--log-every", "25", "--save-model", "--checkpoint-every", "300"]
+
+
+def test_a_killed_run_resumes_in_its_own_folder(workdir, monkeypatch):
+    """SIGKILL after a periodic checkpoint, then `--resume` alone: the run goes on in its folder, under its name,
+    its metrics.csv cut back to the checkpoint's step (the rows after it are work that the kill lost) and then
+    appended to, so its steps increase to the budget with none twice; it keeps checkpointing every K steps; the
+    summary counts the resume. The shared plumbing block does this for every script."""
+    proc = subprocess.Popen([sys.executable, str(LEANRL / f"{SAC}.py"), *KILLED], cwd=workdir, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "WANDB_MODE": "disabled"})
+    deadline = time.monotonic() + 300
+    while not any(step > 400 for step in metrics_steps(workdir)):  # past the checkpoint of step 300
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-2000:] if proc.poll() else ""
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    [folder] = (workdir / "runs").iterdir()
+    before = (folder / "metrics.csv").read_text().splitlines()
+    saved = []
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f: saved.append(obj["global_step"]) or real_save(obj, f))
+
+    resumed = run_main(SAC, "--resume", folder / "checkpoint.pt", "--eval-episodes", "0", cwd=workdir)
+    summary = summary_of(resumed, workdir)
+    assert list((workdir / "runs").iterdir()) == [folder] and summary["run_name"] == folder.name
+    assert summary["global_step"] == 900 and summary["resumes"] == 1 and summary["checkpoint"] is not None
+    assert saved == [600, 900]  # --save-model --checkpoint-every 300 came with the run
+    after = (folder / "metrics.csv").read_text().splitlines()
+    steps = [int(line.split(",")[0]) for line in after[1:]]
+    assert steps == sorted(set(steps)) and steps[-1] == 900
+    kept = [line for line in before[1:] if int(line.split(",")[0]) <= 300]
+    assert after[: 1 + len(kept)] == before[: 1 + len(kept)]  # the rows up to the checkpoint, as they were
+    assert max(int(line.split(",")[0]) for line in before[1:]) > 400  # rows that the resume cut and wrote again
+    assert "refills it for --learning-starts (100) steps" in resumed.stderr  # saved without --save-buffer
+
+
+@pytest.mark.parametrize("script", [SAC, TD3])
+@pytest.mark.parametrize("save_buffer", [True, False], ids=["save-buffer", "refill"])
+def test_save_buffer_resumes_the_buffer_and_the_updates(script, save_buffer, workdir):
+    """With --save-buffer the checkpoint holds the filled replay buffer: the resumed run has it row for row and
+    updates from its first step. Without, the restored policy refills the buffer first, and a note says so."""
+    flags = ["--save-model", "--eval-episodes", "0"] + (["--save-buffer"] if save_buffer else [])
+    first = summary_of(run_main(script, *SHORT[script], *flags, cwd=workdir), workdir)
+    path = workdir / first["checkpoint"]
+    saved = torch.load(path, weights_only=True)["state"]
+
+    proc = run_main(script, "--resume", path, "--total-timesteps", "401", cwd=workdir)
+    resumed = summary_of(proc, workdir)
+    state = torch.load(path, weights_only=True)["state"]
+    if save_buffer:
+        assert saved["replay_buffer"]["rows"].shape[0] == 400 and state["replay_buffer"]["pos"] == 401
+        assert torch.equal(state["replay_buffer"]["rows"][:400], saved["replay_buffer"]["rows"])
+        assert "qf_loss" in resumed["losses"] and "refills" not in proc.stderr  # an update at step 401
+    else:
+        assert "replay_buffer" not in state and resumed["losses"] == {}  # no update: 100 refill steps first
+        assert "refills it for --learning-starts (100) steps" in proc.stderr
+
+
+def test_a_buffer_of_another_shape_is_one_line(workdir):
+    """A buffer whose rows do not fit the env (an env module changed since): one error line, exit code 2."""
+    first = summary_of(run_main(SAC, *SHORT[SAC], "--save-model", "--save-buffer", "--eval-episodes", "0",
+                                cwd=workdir), workdir)
+    checkpoint = torch.load(workdir / first["checkpoint"], weights_only=True)
+    buffer = checkpoint["state"]["replay_buffer"]
+    buffer["rows"] = torch.cat([buffer["rows"], buffer["rows"][:, :1]], dim=1)  # one value too many a row
+    torch.save(checkpoint, workdir / first["checkpoint"])
+    proc = run_main(SAC, "--resume", first["checkpoint"], cwd=workdir)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert errors == [proc.stderr.strip().splitlines()[-1]] and "rows of 10 values" in errors[0]
+    assert "resume with --no-save-buffer" in errors[0]
+    proc = run_main(SAC, "--resume", first["checkpoint"], "--no-save-buffer", "--total-timesteps", "401", cwd=workdir)
+    assert summary_of(proc, workdir)["global_step"] == 401 and "refills" in proc.stderr  # the named way out
+
+
+def test_a_checkpoint_outside_its_run_folder_resumes_into_a_new_one(workdir):
+    first = summary_of(run_main(SAC, *SHORT[SAC], "--save-model", "--eval-episodes", "0", cwd=workdir), workdir)
+    copy = workdir / "copied.pt"
+    copy.write_bytes((workdir / first["checkpoint"]).read_bytes())
+    proc = run_main(SAC, "--resume", copy, "--total-timesteps", "450", cwd=workdir)
+    resumed = summary_of(proc, workdir)
+    assert resumed["run_name"] != first["run_name"] and resumed["global_step"] == 450
+    notes = [line for line in proc.stderr.splitlines() if "is not in its run folder" in line]
+    assert len(notes) == 1 and f"runs/{first['run_name']}" in notes[0] and resumed["run_name"] in notes[0]
+
+
+def test_track_resumes_the_same_wandb_run(workdir):
+    """The checkpoint keeps the wandb run id, and the resumed run logs into that run. Rows logged after the
+    checkpoint (here written by hand, as a crash leaves them) are cut from metrics.csv and not logged to wandb
+    again: a note says which steps keep their earlier values."""
+    env = {"WANDB_MODE": "offline"}
+    first = summary_of(run_main(SAC, *SHORT[SAC], "--save-model", "--eval-episodes", "0", "--track", cwd=workdir,
+                                env=env), workdir)
+    path = workdir / first["checkpoint"]
+    run_id = torch.load(path, weights_only=True)["wandb_id"]
+    assert run_id and len(list((workdir / "wandb").glob(f"offline-run-*-{run_id}"))) == 1
+    with open(path.parent / "metrics.csv", "a") as f:
+        f.write("450,1.0,-1000.0,,,,\n")  # a row of the crashed run, after the checkpoint's step
+    proc = run_main(SAC, "--resume", path, "--total-timesteps", "500", "--track", cwd=workdir, env=env)
+    resumed = summary_of(proc, workdir)  # checks that metrics.csv holds no step twice
+    assert torch.load(path, weights_only=True)["wandb_id"] == run_id and resumed["global_step"] == 500
+    assert len(list((workdir / "wandb").glob(f"offline-run-*-{run_id}*"))) == 2
+    assert f"note: wandb run {run_id} continues; its steps 401-450 keep the values logged before the crash" \
+        in proc.stderr
+
+
+def failing_save(calls):
+    """A torch.save that fails as a full disk does, after writing part of the file, at the given calls (from 1)."""
+    real_save, count = torch.save, [0]
+
+    def save(obj, f):
+        count[0] += 1
+        if count[0] not in calls:
+            return real_save(obj, f)
+        f.write(b"part of a checkpoint")
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:  # as torch.save's zip writer does on a full disk, closing the file it could not write
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 561664 vs 561552")
+
+    return save
+
+
+@pytest.mark.parametrize("fails", ["periodic", "all"])
+def test_a_checkpoint_that_cannot_be_written_costs_no_training(fails, workdir, monkeypatch):
+    """Disk full at every periodic save: one warning, training reaches its budget, no .tmp file is left. A final
+    save that succeeds ends the run as usual; one that fails still prints and writes the summary (checkpoint
+    null, the reason), with one error line and exit code 1."""
+    monkeypatch.setattr(torch, "save", failing_save({1, 2, 3} if fails == "periodic" else range(1, 100)))
+    proc = run_main(SAC, *SHORT[SAC], "--save-model", "--checkpoint-every", "100", "--eval-episodes", "0",
+                    cwd=workdir)
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0] and "training goes on" in warnings[0]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["global_step"] == 400
+    assert not list(workdir.glob("runs/*/*.tmp"))
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    if fails == "periodic":
+        assert proc.returncode == 0 and summary["checkpoint"] and summary["checkpoint_error"] is None and not errors
+        assert torch.load(workdir / summary["checkpoint"], weights_only=True)["global_step"] == 400
+    else:
+        assert proc.returncode == 1 and summary["exit_code"] == 1 and summary["checkpoint"] is None
+        assert "No space left on device" in summary["checkpoint_error"]
+        assert len(errors) == 1 and "the final checkpoint is lost" in errors[0], proc.stderr
+        assert json.loads((workdir / "runs" / summary["run_name"] / "summary.json").read_text()) == summary
+
+
+def test_a_record_that_cannot_be_written_costs_no_training(workdir, monkeypatch):
+    """metrics.csv and summary.json on a full disk: one warning each, the run reaches its budget and prints its
+    summary."""
+    real_open = builtins.open
+
+    def full_disk_open(file, mode="r", *args, **kwargs):
+        if str(file).endswith(("metrics.csv", "summary.json")) and mode != "r":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk_open)
+    proc = run_main(SAC, *SHORT[SAC], "--eval-episodes", "0", cwd=workdir)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2 and all("No space left on device" in line for line in warnings), proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["global_step"] == 400

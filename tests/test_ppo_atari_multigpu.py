@@ -182,7 +182,9 @@ def test_interrupted_processes_stop_together_and_resume(workdir):
     assert len(checkpoint["rng"]) == 2  # a generator state per process
     assert not torch.equal(checkpoint["rng"][0]["torch"], checkpoint["rng"][1]["torch"])  # each process its own generator
 
-    resumed = summary_of(torchrun(MULTI, "--resume", workdir / summary["checkpoint"], cwd=workdir), workdir)
+    resumed = summary_of(torchrun(MULTI, "--resume", workdir / summary["checkpoint"], "--eval-episodes", "1",
+                                  cwd=workdir), workdir)
+    assert resumed["run_name"] == summary["run_name"] and resumed["resumes"] == 1
     assert resumed["global_step"] == total // 128 * 128 and resumed["interrupted"] is False
     assert resumed["param_checksums"][0] == resumed["param_checksums"][1]
     assert resumed["episodes"] >= summary["episodes"]
@@ -319,7 +321,7 @@ def test_twin_update_computes_the_eager_update(mode, no_tf32):
 
 def write_checkpoint_of_two_processes(path, script):
     rng = {"torch": torch.get_rng_state(), "cuda": []}
-    torch.save({"script": script, "args": {}, "global_step": 0, "rng": [rng, rng], "state": {}}, path)
+    torch.save({"script": script, "args": {}, "global_step": 0, "rng": [rng, rng], "state": {}, "run_name": "a_run"}, path)
 
 
 @pytest.mark.parametrize("name", [MULTI, MULTI_TWIN])
