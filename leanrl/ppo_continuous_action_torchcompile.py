@@ -537,11 +537,11 @@ def main(args: Args) -> dict:
 # and a gather (every process's object, in rank order): rank 0 alone writes and speaks, and they agree on stopping.
 # ==================================================================================================================
 
-# what a resumed run takes from its own command line; the other arguments come from the checkpoint, but for
-# RUN_FLAGS where the command line gives them: the saving flags belong to the run, and a larger budget extends it
+# what a resumed run takes from its own command line; the other arguments come from the checkpoint, but for the
+# budget and SAVING_FLAGS where the command line gives them: they belong to the run, unless the resume changes them
 SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "resume", "eval_episodes",
                  "compile", "cudagraphs", "measure_burnin", "log_every", "backend"}
-RUN_FLAGS = {"total_timesteps", "save_model", "checkpoint_every", "save_buffer"}
+SAVING_FLAGS = {"save_model", "checkpoint_every", "save_buffer"}
 
 
 def note(message):  # on stderr, by one process (under torchrun every process would say the same), above the bar
@@ -593,13 +593,16 @@ def load_checkpoint(path):
 
 
 def resume_args(args, checkpoint):
-    """The checkpoint's run arguments with this command line's session flags and the RUN_FLAGS that it gives."""
-    # the flags typed: --name, --name=value or --no-name (a value equal to the default counts as given)
+    """The checkpoint's run arguments with this command line's session flags, and its budget and SAVING_FLAGS where
+    it gives them (typed in sys.argv: --name, --name=value or --no-name; a value equal to the default counts)."""
     given = {a.split("=")[0][2:].replace("-", "_").removeprefix("no_") for a in sys.argv[1:] if a.startswith("--")}
+    if "save_model" in given and not args.save_model:  # --no-save-model: none of the run's saving flags either
+        given |= SAVING_FLAGS
     merged = {}
     for name, value in vars(args).items():
         saved = checkpoint["args"].get(name, value)
-        merged[name] = value if name in SESSION_FLAGS or (name in RUN_FLAGS and name in given) else saved
+        changeable = name in SAVING_FLAGS or name == "total_timesteps"
+        merged[name] = value if name in SESSION_FLAGS or (changeable and name in given) else saved
         if name in given and merged[name] != value:
             note(f"note: --resume continues the checkpoint's run: {flag(name)} stays {saved}")
     return Args(**merged)
@@ -640,10 +643,12 @@ class Run:
             self.global_step, self.episodes = self.checkpoint["global_step"], self.checkpoint["episodes"]
             self.returns.extend(self.checkpoint["returns"])
             self.resumes, self.wall_before = self.checkpoint["resumes"] + 1, self.checkpoint["wall_seconds"]
-            self.wandb_id, folder = self.checkpoint["wandb_id"], os.path.dirname(args.resume) or "."
+            folder = os.path.dirname(args.resume) or "."
             if os.path.basename(os.path.abspath(folder)) == self.checkpoint["run_name"]:
-                self.name, self.path = self.checkpoint["run_name"], folder
-            else:  # copied elsewhere: its run folder may be gone, or on another machine
+                self.name, self.path, self.wandb_id = self.checkpoint["run_name"], folder, self.checkpoint["wandb_id"]
+                # its row ends metrics.csv, and it is this run's checkpoint: saved, and not saved again unless trained
+                self.logged_step = self.saved_step = self.tried_step = self.global_step
+            else:  # copied elsewhere (its run folder may be gone, or on another machine): a new run, also in wandb
                 note(f"note: {args.resume} is not in its run folder, runs/{self.checkpoint['run_name']}: the run "
                      f"continues in {self.path}")
 
@@ -668,12 +673,13 @@ class Run:
             torch.set_rng_state(rng["torch"])
             if rng["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
-        self.metrics_file, crash_step = open(os.devnull, "w"), None
+            self.checkpoint["state"] = None  # restored: no second copy of a large buffer held for the whole run
+        self.metrics_file, crash_step = open(os.devnull, "w"), 0
         if self.rank == 0:
             try:
                 os.makedirs(self.path, exist_ok=True)
                 if self.checkpoint:
-                    self.logged_step, crash_step = self.cut_metrics(f"{self.path}/metrics.csv")
+                    crash_step = self.cut_metrics(f"{self.path}/metrics.csv")
                 # appended to line by line: a kill loses no row
                 self.metrics_file = open(f"{self.path}/metrics.csv", "a", newline="", buffering=1)
             except OSError as e:
@@ -689,23 +695,26 @@ class Run:
             self.wandb = wandb
             wandb.init(project=self.args.wandb_project_name, entity=self.args.wandb_entity, config=vars(self.args),
                        name=self.name, save_code=True, id=self.wandb_id, resume="allow" if self.wandb_id else None)
-            if self.wandb_id and crash_step:  # rewinding a wandb run is a preview feature: no step is logged twice
-                self.wandb_logged = crash_step
-                note(f"note: wandb run {self.wandb_id} continues; its steps {self.global_step + 1}-{crash_step} keep "
-                     "the values logged before the crash")
+            if self.wandb_id:  # rewinding a wandb run is a preview feature: no step is logged twice instead
+                self.wandb_logged = max(crash_step, getattr(wandb.run, "step", 0))  # run.step: known online only
+            if self.wandb_logged > self.global_step:
+                note(f"note: wandb run {self.wandb_id} continues; its steps {self.global_step + 1}-{self.wandb_logged} "
+                     "keep the values logged before the crash")
             self.wandb_id = wandb.run.id
 
     def cut_metrics(self, path):
         """Cuts metrics.csv back to the checkpoint's step: the later rows are work that the crash lost. Returns the
-        last step kept and the last step cut (or None)."""
+        last step cut, or 0."""
         if not os.path.exists(path):
-            return None, None
+            return 0
         with open(path, "rb+") as f:
             lines = f.readlines()
-            steps = [int(s) if (s := line.split(b",")[0]).isdigit() else None for line in lines[1:]]  # None: cut off
+            # a row that a kill cut short has no line end: None
+            steps = [int(line.split(b",")[0]) if line.endswith(b"\n") and line.split(b",")[0].isdigit() else None
+                     for line in lines[1:]]
             kept = len(list(itertools.takewhile(lambda s: s is not None and s <= self.global_step, steps)))
             f.truncate(sum(map(len, lines[: 1 + kept])))
-        return steps[kept - 1] if kept else None, max(filter(None, steps[kept:]), default=None)
+        return max(filter(None, steps[kept:]), default=0)
 
     def iterations(self, num_iterations, steps_per_iteration, first_update):
         """The iterations left to train. After each: the losses are read (a host-device sync) every --log-every, at
@@ -824,7 +833,7 @@ class Run:
         wall_seconds is the training loop's time over all resumes, without evaluation. exit_code: 0, 1 diverged or
         the final checkpoint not written, 128 + a signal."""
         args, end, steady_start, steady_step = self.args, self.end_time, self.steady_start, self.steady_step
-        if self.logged_step != self.global_step:  # a finished run resumed elsewhere: its curve ends at its last step
+        if self.logged_step != self.global_step:  # a finished run resumed anew: its curve ends at its last step
             self.write_row()
         with contextlib.suppress(OSError):  # said at the write that failed
             self.metrics_file.close()

@@ -6,6 +6,7 @@ statistics) survives the round trip. A run stopped by a signal writes its summar
 resuming it ends where an uninterrupted run ends."""
 
 import builtins
+import csv
 import errno
 import json
 import math
@@ -66,8 +67,8 @@ def test_every_script_is_covered_here():
 def test_checkpoint_round_trip(script, name, workdir):
     """The saved weights act exactly as the trained ones: a finished run's checkpoint, resumed with no
     step left to train, evaluates (deterministic actions, same evaluation seeds) to the same return."""
-    proc = run_main(name, *SHORT[script], "--save-model", "--eval-episodes", "1", cwd=workdir)
-    first = summary_of(proc, workdir)
+    flags = ["--save-model", "--checkpoint-every", "1000000", "--eval-episodes", "1"]
+    first = summary_of(run_main(name, *SHORT[script], *flags, cwd=workdir), workdir)
     path = workdir / first["checkpoint"]
     assert path.is_file() and not Path(f"{path}.tmp").exists()
     assert first["eval_episodes"] == 1 and math.isfinite(first["eval_return"])
@@ -77,8 +78,9 @@ def test_checkpoint_round_trip(script, name, workdir):
     checkpoint = torch.load(path, weights_only=True)  # tensors, numbers and strings only
     assert checkpoint["script"] == f"{name}.py" and checkpoint["global_step"] == first["global_step"]
 
-    # --seed on the command line is a run argument: the checkpoint's seed stays, with a note; --save-model belongs
-    # to the run too, but the command line may change it
+    # --seed on the command line is a run argument: the checkpoint's seed stays, with a note; --no-save-model turns
+    # off the run's saving flags (its --checkpoint-every with it)
+    written = path.read_bytes()
     proc = run_main(name, "--resume", path, "--eval-episodes", "1", "--seed", "7", "--no-save-model", cwd=workdir)
     again = summary_of(proc, workdir)
     assert again["resumed_from"] == str(path)
@@ -86,7 +88,7 @@ def test_checkpoint_round_trip(script, name, workdir):
     assert again["seed"] == first["seed"] and "--seed stays 1" in proc.stderr
     assert again["global_step"] == first["global_step"] and again["episodes"] == first["episodes"]
     assert again["eval_return"] == first["eval_return"]
-    assert again["checkpoint"] is None  # --no-save-model
+    assert again["checkpoint"] == str(path) and path.read_bytes() == written  # nothing trained, nothing written
 
 
 @pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI], twins=False))
@@ -258,8 +260,11 @@ def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monk
     if script == PPO:  # the last of 12 rollouts of 64 steps
         assert extended["losses"]["learning_rate"] == pytest.approx(3e-4 / 12)
     assert "stays" not in proc.stderr  # the budget is not a flag that the checkpoint keeps
+    assert torch.load(path, weights_only=True)["global_step"] == 768  # --save-model came with the run
+    proc = run_main(name, "--resume", path, "--total-timesteps", "832", "--no-save-model", cwd=workdir)
+    assert summary_of(proc, workdir)["global_step"] == 832 and torch.load(path, weights_only=True)["global_step"] == 768
     monkeypatch.chdir(workdir)
-    step = extended["global_step"]  # the extended run checkpoints in its folder: --save-model came with the run
+    step = 768
     assert_rejected(name, ["--resume", str(path), "--total-timesteps", "300"],
                     f"--total-timesteps 300 ends before the checkpoint's step {step}: give {step} or more", capsys)
 
@@ -411,11 +416,11 @@ def failing_save(calls):
 
 @pytest.mark.parametrize("fails", ["periodic", "all"])
 def test_a_checkpoint_that_cannot_be_written_costs_no_training(fails, workdir, monkeypatch):
-    """Disk full at every periodic save: one warning, training reaches its budget, no .tmp file is left. A final
-    save that succeeds ends the run as usual; one that fails still prints and writes the summary (checkpoint
-    null, the reason), with one error line and exit code 1."""
-    monkeypatch.setattr(torch, "save", failing_save({1, 2, 3} if fails == "periodic" else range(1, 100)))
-    proc = run_main(SAC, *SHORT[SAC], "--save-model", "--checkpoint-every", "100", "--eval-episodes", "0",
+    """Disk full at both periodic saves (steps 150 and 300): one warning, training reaches its budget, no .tmp file
+    is left. A final save (step 400) that succeeds ends the run as usual; one that fails still prints and writes
+    the summary (checkpoint null, the reason), with one error line and exit code 1."""
+    monkeypatch.setattr(torch, "save", failing_save({1, 2} if fails == "periodic" else {1, 2, 3}))
+    proc = run_main(SAC, *SHORT[SAC], "--save-model", "--checkpoint-every", "150", "--eval-episodes", "0",
                     cwd=workdir)
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "No space left on device" in warnings[0] and "training goes on" in warnings[0]
@@ -434,18 +439,27 @@ def test_a_checkpoint_that_cannot_be_written_costs_no_training(fails, workdir, m
 
 
 def test_a_record_that_cannot_be_written_costs_no_training(workdir, monkeypatch):
-    """metrics.csv and summary.json on a full disk: one warning each, the run reaches its budget and prints its
-    summary."""
-    real_open = builtins.open
+    """The disk fills up mid-run: the rows of metrics.csv after step 200 and summary.json cannot be written. One
+    warning each, the run reaches its budget and prints its summary."""
+    real_open, real_writerow = builtins.open, csv.DictWriter.writerow
 
     def full_disk_open(file, mode="r", *args, **kwargs):
-        if str(file).endswith(("metrics.csv", "summary.json")) and mode != "r":
+        if str(file).endswith("summary.json") and mode != "r":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_open(file, mode, *args, **kwargs)
 
+    def full_disk_writerow(writer, row):
+        if isinstance(row["global_step"], int) and row["global_step"] > 200:  # not the header
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_writerow(writer, row)
+
     monkeypatch.setattr(builtins, "open", full_disk_open)
+    monkeypatch.setattr(csv.DictWriter, "writerow", full_disk_writerow)
     proc = run_main(SAC, *SHORT[SAC], "--eval-episodes", "0", cwd=workdir)
     assert proc.returncode == 0, proc.stderr[-2000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 2 and all("No space left on device" in line for line in warnings), proc.stderr
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["global_step"] == 400
+    assert "metrics.csv" in warnings[0] and "summary.json" in warnings[1]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["global_step"] == 400 and summary["exit_code"] == 0
+    assert metrics_steps(workdir)[-1] == 151  # the last row before the disk filled up (one every 50 steps)
