@@ -555,8 +555,9 @@ class Run:
                 os.makedirs(self.path, exist_ok=True)
                 if self.checkpoint:
                     crash_step = self.cut_metrics(f"{self.path}/metrics.csv")
-                # appended to line by line: a kill loses no row
-                self.metrics_file = open(f"{self.path}/metrics.csv", "a", newline="", buffering=1)
+                # a resumed run's appended to, line by line: a kill loses no row
+                self.metrics_file = open(f"{self.path}/metrics.csv", "a" if self.checkpoint else "w", newline="",
+                                         buffering=1)
             except OSError as e:
                 self.cannot_write(f"{self.path}/metrics.csv", e)
         fields = ["global_step", "wall_seconds", "episodic_return", "sps", *losses]
