@@ -607,23 +607,25 @@ class Run:
         the end, before a checkpoint and at a stop; the periodic checkpoint; the end of the loop at a non-finite
         loss or a signal (Ctrl-C or SIGTERM lets the iteration finish, a second one stops at once), which every
         process learns of at the end of the iteration. Iterations from first_update on are burn-in (compile,
-        warm-up) for --measure-burnin, then steady state (sps)."""
+        warm-up) for --measure-burnin, then steady state (sps); compile_seconds counts the burn-in and the first
+        --measure-burnin iterations, where an acting policy used from the first step compiles."""
         args, saved_step = self.args, self.global_step
         every = args.checkpoint_every if args.save_model else 0
-        first_update = max(first_update, self.global_step // steps_per_iteration)  # a resumed run's may be past
+        first = self.global_step // steps_per_iteration
+        first_update = max(first_update, first)  # a resumed run's may be past
         steady_from = min(first_update + args.measure_burnin, num_iterations)
-        self.start_time, self.burnin_start, self.steady_start, self.steady_step = time.perf_counter(), None, None, 0
+        self.start_time, self.steady_start, self.steady_step, self.compile_seconds = time.perf_counter(), None, 0, 0.0
         handlers = {s: signal.signal(s, self.request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        self.bar = tqdm.tqdm(range(self.global_step // steps_per_iteration, num_iterations), file=sys.stderr,
-                             mininterval=1.0, disable=self.rank != 0)
+        self.bar = tqdm.tqdm(range(first, num_iterations), file=sys.stderr, mininterval=1.0, disable=self.rank != 0)
         try:
             for iteration in self.bar:
-                if iteration == first_update:
-                    self.burnin_start = time.perf_counter()
                 if iteration == steady_from:
                     self.steady_start, self.steady_step = time.perf_counter(), self.global_step
+                tick = time.perf_counter()
                 self.global_step += steps_per_iteration
                 yield iteration
+                if iteration < steady_from and (iteration >= first_update or iteration < first + args.measure_burnin):
+                    self.compile_seconds += time.perf_counter() - tick
                 for returns, signum in self.gather((self.finished, self.stop_signal)):  # every process's
                     self.returns.extend(returns)
                     self.episodes += len(returns)
@@ -739,7 +741,7 @@ class Run:
             "compile": getattr(args, "compile", False), "cudagraphs": getattr(args, "cudagraphs", False),
             "device": str(self.device), "torch": torch.__version__, "global_step": self.global_step,
             "wall_seconds": round(self.wall_before + end - self.start_time, 3),
-            "compile_seconds": round((steady_start or end) - self.burnin_start, 3) if self.burnin_start else None,
+            "compile_seconds": round(self.compile_seconds, 3),
             "sps": round((self.global_step - steady_step) / (end - steady_start), 2)
             if steady_start and self.global_step > steady_step else None,
             "episodic_return": float(np.mean(self.returns)) if self.returns and np.isfinite(self.returns).all()
