@@ -28,7 +28,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 STEPS=${STEPS:-1000000}
 SEEDS=${SEEDS:-1 2 3}
-SCRIPTS=${SCRIPTS:-ppo_atari_envpool ppo_continuous_action sac_continuous_action td3_continuous_action}
+SCRIPTS=${SCRIPTS:-ppo_atari_envpool ppo_continuous_action sac_continuous_action td3_continuous_action dqn}
 RESULTS=${RESULTS:-$here/results/$(date +%Y%m%d-%H%M%S)}
 ALL_VARIANTS="eager twin compile cudagraphs compile+cudagraphs"
 VARIANTS=${VARIANTS:-$ALL_VARIANTS}
@@ -44,7 +44,7 @@ done
 # without graphs)
 variants() {
   case $1 in
-    ppo_atari_envpool | ppo_atari_envpool_multigpu | ppo_continuous_action | sac_continuous_action | td3_continuous_action) ;;
+    ppo_atari_envpool | ppo_atari_envpool_multigpu | ppo_continuous_action | sac_continuous_action | td3_continuous_action | dqn) ;;
     *) echo "unknown script $1" >&2; return 1 ;;
   esac
   for variant in $VARIANTS; do
@@ -60,11 +60,13 @@ variants() {
 
 # per-script settings beyond the defaults (HalfCheetah-v5 for the MuJoCo scripts: SAC and TD3 learn
 # from 5000 / 25000 random steps first, PPO updates after each rollout of 2048 steps; Breakout-v5 with
-# 8 envs for Atari: an update after each rollout of 8 x 128 steps)
+# 8 envs for Atari: an update after each rollout of 8 x 128 steps; CartPole-v1 for DQN: an update every
+# 10 steps after 10000)
 extra() {
   case $1 in
     ppo_atari_envpool*) echo "--env-id Breakout-v5" ;;
     ppo_continuous_action* | sac_continuous_action* | td3_continuous_action*) echo "--env-id HalfCheetah-v5" ;;
+    dqn*) echo "--env-id CartPole-v1" ;;
   esac
 }
 

@@ -32,6 +32,7 @@ except ImportError:
 NEEDS_ENVPOOL = pytest.mark.skipif(not HAS_ENVPOOL, reason="envpool is not installed: pip install -r requirements/requirements-atari.txt")
 
 PPO, SAC, TD3, ATARI = "ppo_continuous_action", "sac_continuous_action", "td3_continuous_action", "ppo_atari_envpool"
+DQN = "dqn"
 # run here in this process, a group of one; tests/test_ppo_atari_multigpu.py stops, resumes and diverges it under
 # torchrun
 MULTI = "ppo_atari_envpool_multigpu"
@@ -43,8 +44,9 @@ SHORT = {
     # Pong: an untrained policy loses a whole game in about 800 steps, so evaluation stays short
     ATARI: ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "256"],
     MULTI: ["--env-id", "Pong-v5", "--local-num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "256"],
+    DQN: ["--env-id", "CartPole-v1", "--learning-starts", "100", "--total-timesteps", "400", "--batch-size", "32", "--log-every", "50"],
 }
-ITERATION_STEPS = {PPO: 64, SAC: 1, TD3: 1, ATARI: 64, MULTI: 64}
+ITERATION_STEPS = {PPO: 64, SAC: 1, TD3: 1, ATARI: 64, MULTI: 64, DQN: 1}
 
 
 def params(scripts, twins=True):
@@ -63,7 +65,7 @@ def test_every_script_is_covered_here():
         assert base in SHORT, f"{path.name} is not covered by tests/test_lifecycle.py"
 
 
-@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI, MULTI]))
+@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI, MULTI, DQN]))
 def test_checkpoint_round_trip(script, name, workdir):
     """The saved weights act exactly as the trained ones: a finished run's checkpoint, resumed with no
     step left to train, evaluates (deterministic actions, same evaluation seeds) to the same return."""
@@ -201,7 +203,7 @@ BAD_INPUTS = [
     ([PPO, SAC, TD3, ATARI, MULTI], ["--checkpoint-every", "100"], "--checkpoint-every needs --save-model"),
     ([PPO, SAC, TD3, ATARI, MULTI], ["--eval-episodes", "-1"], "--eval-episodes must be >= 0, got -1"),
     ([PPO, SAC, TD3], ["--capture-video"], "--capture-video writes to videos/, which cannot be written here"),
-    ([SAC, TD3], ["--save-buffer"], "--save-buffer needs --save-model"),
+    ([SAC, TD3, DQN], ["--save-buffer"], "--save-buffer needs --save-model"),
 ]
 
 
@@ -320,7 +322,7 @@ def test_a_killed_run_resumes_in_its_own_folder(workdir, monkeypatch):
     assert "refills it for --learning-starts (100) steps" in resumed.stderr  # saved without --save-buffer
 
 
-@pytest.mark.parametrize("script", [SAC, TD3])
+@pytest.mark.parametrize("script", [SAC, TD3, DQN])
 @pytest.mark.parametrize("save_buffer", [True, False], ids=["save-buffer", "refill"])
 def test_save_buffer_resumes_the_buffer_and_the_updates(script, save_buffer, workdir):
     """With --save-buffer the checkpoint holds the filled replay buffer: the resumed run has it row for row and
@@ -333,12 +335,13 @@ def test_save_buffer_resumes_the_buffer_and_the_updates(script, save_buffer, wor
     proc = run_main(script, "--resume", path, "--total-timesteps", "401", cwd=workdir)
     resumed = summary_of(proc, workdir)
     state = torch.load(path, weights_only=True)["state"]
+    loss = "td_loss" if script == DQN else "qf_loss"  # DQN updates every 10 steps, at step 401 too
     if save_buffer:
         assert saved["replay_buffer"]["rows"].shape[0] == 400 and state["replay_buffer"]["pos"] == 401
         assert torch.equal(state["replay_buffer"]["rows"][:400], saved["replay_buffer"]["rows"])
-        assert "qf_loss" in resumed["losses"] and "refills" not in proc.stderr  # an update at step 401
+        assert loss in resumed["losses"] and "refills" not in proc.stderr  # an update at step 401
     else:
-        assert "replay_buffer" not in state and resumed["losses"] == {}  # no update: 100 refill steps first
+        assert "replay_buffer" not in state and loss not in resumed["losses"]  # no update: 100 refill steps first
         assert "refills it for --learning-starts (100) steps" in proc.stderr
 
 
