@@ -59,7 +59,7 @@ class Args:
     checkpoint_every: int = 0
     """with --save-model, also save the checkpoint every this many steps (0: only at the end)"""
     save_buffer: bool = False
-    """with --save-model, the checkpoint holds the replay buffer too (CartPole-v1: 44 MB per million steps)"""
+    """with --save-model, the checkpoint holds the replay buffer too (CartPole-v1: 44 bytes a row, 0.44 MB in all)"""
     resume: Optional[str] = None
     """a checkpoint.pt to continue: its env, seed and hyper-parameters; a larger --total-timesteps extends the run"""
     eval_episodes: Optional[int] = None
@@ -81,7 +81,7 @@ class Args:
     tau: float = 1.0
     """the target network update rate (1: a copy)"""
     target_network_frequency: int = 500
-    """the timesteps it takes to update the target network"""
+    """iterations (vector steps) between two target network updates"""
     batch_size: int = 128
     """the batch size of sample from the replay memory"""
     start_e: float = 1.0
@@ -89,11 +89,11 @@ class Args:
     end_e: float = 0.05
     """the ending epsilon for exploration"""
     exploration_fraction: float = 0.5
-    """the fraction of `total-timesteps` it takes from start-e to go end-e"""
+    """the fraction of the budget over which epsilon falls from start-e to end-e (an extended run stretches it)"""
     learning_starts: int = 10_000
     """timestep to start learning (resumed without a saved buffer, the policy refills it)"""
     train_frequency: int = 10
-    """the frequency of training"""
+    """iterations (vector steps) between two updates"""
 
     # Performance
     measure_burnin: int = 50
@@ -271,6 +271,8 @@ def arg_errors(args):
     yield not isinstance(act_space, gym.spaces.Discrete), (
         f"DQN needs a discrete action space, but {args.env_id} has {act_space}: use SAC, TD3 or PPO "
         "(ppo_continuous_action.py)")
+    yield act_space.start != 0, (  # the argmax is an index
+        f"DQN's actions are 0 to n-1, but {args.env_id} has {act_space}: give the env a Discrete(n) space")
     yield not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1, (
         f"DQN's MLP needs a flat Box observation space, but {args.env_id} has {obs_space}: "
         "wrap it in gymnasium.wrappers.FlattenObservation")

@@ -31,7 +31,7 @@ def test_short_run(script, flags, workdir):
     assert summary["script"] == f"{script}.py" and summary["global_step"] == 400
     assert summary["compile"] == ("--compile" in flags)
     assert summary["cudagraphs"] == ("--cudagraphs" in flags and torch.cuda.is_available())
-    assert summary["episodes"] > 0 and summary["sps"] > 0 and summary["compile_seconds"] >= 0
+    assert summary["episodes"] > 0 and summary["sps"] > 0 and 0 < summary["compile_seconds"] < summary["wall_seconds"]
     losses = summary["losses"]
     assert math.isfinite(losses["td_loss"]) and math.isfinite(losses["q_values"])
     assert losses["epsilon"] == pytest.approx(0.05)  # the schedule ended at step 200, half the budget
@@ -64,7 +64,7 @@ MODES = [
 
 
 def wrap(fn, mode):
-    """The twin's update or policy as main() wraps it for --compile [--cudagraphs]."""
+    """The twin's update as main() wraps it for --compile [--cudagraphs]."""
     if mode == "twin":
         return fn
     from tensordict.nn import CudaGraphModule
@@ -87,6 +87,7 @@ def test_twin_computes_the_eager_update(mode, no_tf32):
         extra = {"cudagraphs": mode == "cudagraphs", "compile": mode != "twin"} if twin else {}
         _, (update, update_target) = module.make_updates(module.Args(tau=0.5, **extra), q_network, target)
         learners.append((q_network, target, wrap(update, mode) if twin else update, update_target))
+    initial_target = [p.clone() for p in learners[0][1].parameters()]
     gen = torch.Generator().manual_seed(1)
     for _ in range(6 if mode == "cudagraphs" else 3):
         batch = (torch.randn(64, 4, generator=gen), torch.randint(0, 2, (64, 1), generator=gen).float(),
@@ -101,7 +102,8 @@ def test_twin_computes_the_eager_update(mode, no_tf32):
     for eager, twin in zip(learners[0][:2], learners[1][:2]):
         for (name, p), q in zip(eager.named_parameters(), twin.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
-    assert not torch.equal(learners[0][1].network[0].weight, load_script(DQN).QNetwork(4, 2).network[0].weight)
+    for learner in learners:  # the target updates ran (tau 0.5: half way to the Q-network each time)
+        assert not any(torch.equal(p, q) for p, q in zip(learner[1].parameters(), initial_target))
 
 
 @pytest.mark.parametrize(
@@ -174,6 +176,15 @@ def test_compile_seconds_counts_a_policy_that_compiles_at_the_first_step(workdir
 def test_bad_input_is_one_line_and_exit_code_2(script, flags, message, workdir, monkeypatch, capsys):
     monkeypatch.chdir(workdir)
     assert_rejected(script, flags, message, capsys)
+
+
+def test_actions_that_do_not_start_at_0_are_one_line(workdir, monkeypatch, capsys):
+    module = load_script(DQN)
+    spaces = gym.spaces.Box(-1.0, 1.0, (4,)), gym.spaces.Discrete(3, start=1)
+    monkeypatch.setattr(module, "env_spaces", lambda env_id: spaces)
+    monkeypatch.setattr(conftest, "load_script", lambda name: module)  # assert_rejected runs this module
+    monkeypatch.chdir(workdir)
+    assert_rejected(DQN, [], "DQN's actions are 0 to n-1, but CartPole-v1 has Discrete(3, start=1)", capsys)
 
 
 @pytest.mark.parametrize("script", [DQN, DQN_TWIN])

@@ -44,7 +44,9 @@ SHORT = {
     # Pong: an untrained policy loses a whole game in about 800 steps, so evaluation stays short
     ATARI: ["--env-id", "Pong-v5", "--num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "256"],
     MULTI: ["--env-id", "Pong-v5", "--local-num-envs", "2", "--num-steps", "32", "--num-minibatches", "2", "--total-timesteps", "256"],
-    DQN: ["--env-id", "CartPole-v1", "--learning-starts", "100", "--total-timesteps", "400", "--batch-size", "32", "--log-every", "50"],
+    # the target network updates every 50 steps, so a resume that dropped it would act on another one
+    DQN: ["--env-id", "CartPole-v1", "--learning-starts", "100", "--total-timesteps", "400", "--batch-size", "32", "--log-every", "50",
+          "--target-network-frequency", "50"],
 }
 ITERATION_STEPS = {PPO: 64, SAC: 1, TD3: 1, ATARI: 64, MULTI: 64, DQN: 1}
 
@@ -93,7 +95,7 @@ def test_checkpoint_round_trip(script, name, workdir):
     assert again["checkpoint"] == str(path) and path.read_bytes() == written  # nothing trained, nothing written
 
 
-@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI], twins=False))
+@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, ATARI, DQN], twins=False))
 def test_same_seed_same_run(script, name, workdir):
     """Determinism on the CPU: two eager runs with the same seed give the same returns and losses."""
     runs = [summary_of(run_main(name, *SHORT[script], cwd=workdir), workdir) for _ in range(2)]
@@ -163,10 +165,11 @@ DIVERGE = {
     # periodic checkpoints at steps 50 and 100 of the random-action warm-up, then updates from step 101
     SAC: ["--q-lr", "1e30", "--policy-lr", "1e30", "--checkpoint-every", "50"],
     TD3: ["--learning-rate", "1e30", "--checkpoint-every", "50"],
+    DQN: ["--learning-rate", "1e30", "--checkpoint-every", "50"],
 }
 
 
-@pytest.mark.parametrize("script, name", params([PPO, ATARI, SAC, TD3], twins=False))
+@pytest.mark.parametrize("script, name", params([PPO, ATARI, SAC, TD3, DQN], twins=False))
 def test_divergence_stops_with_one_line_and_keeps_the_checkpoint(script, name, workdir):
     """A learning rate of 1e30 makes the losses non-finite within a few updates: the run stops at the
     next log point with one line naming the loss and the step, exit code 1, a valid summary, and the
@@ -240,7 +243,7 @@ def test_offpolicy_help_says_how_the_buffer_is_resumed(script, capsys):
 
 
 # eager scripts: the twins share the plumbing block byte for byte, and test_checkpoint_round_trip restores them
-@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3], twins=False))
+@pytest.mark.parametrize("script, name", params([PPO, SAC, TD3, DQN], twins=False))
 def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monkeypatch, capsys):
     """--resume CKPT --total-timesteps N continues a finished run to step N, updating again (off-policy: after
     the refill of the replay buffer; PPO: annealing re-planned to reach 0 at the new end); an N below the
@@ -249,8 +252,8 @@ def test_resume_with_a_larger_budget_extends_the_run(script, name, workdir, monk
     path = workdir / first["checkpoint"]
     proc = run_main(name, "--resume", path, "--total-timesteps", "768", "--eval-episodes", "0", cwd=workdir)
     extended = summary_of(proc, workdir)
-    assert extended["global_step"] == 768 and extended["episodes"] == 3  # Pendulum: 200 steps an episode
-    loss = "value_loss" if script == PPO else "qf_loss"
+    assert extended["global_step"] == 768 and (extended["episodes"] == 3 or script == DQN)  # Pendulum: 200 steps each
+    loss = {PPO: "value_loss", DQN: "td_loss"}.get(script, "qf_loss")
     assert loss in extended["losses"] and extended["losses"] != first["losses"] and extended["sps"] > 0  # updates ran
     if script == PPO:  # the last of 12 rollouts of 64 steps
         assert extended["losses"]["learning_rate"] == pytest.approx(3e-4 / 12)
