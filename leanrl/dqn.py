@@ -17,11 +17,13 @@ import difflib
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import os
 import signal
 import sys
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -231,18 +233,50 @@ def evaluate(args, q_network, device):
 
 
 def env_spaces(env_id):
-    """The (observation, action) spaces of a gymnasium env, or a one-line error that names the fix."""
+    """The (observation, action) spaces of a gymnasium env, or a one-line error that names the fix. For an env of
+    your own, gymnasium's module:EnvId form imports the module (from where the script runs, too), which registers
+    EnvId."""
+    module, _, name = env_id.rpartition(":")
+    if module:
+        sys.path.append(os.getcwd())  # as `python -m` finds a module in the folder it runs from
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # not found, or its own import fails
+            fail(f"--env-id {env_id}: cannot import {module} ({type(e).__name__}: {e}): run from the folder that "
+                 "holds it, or add that folder to PYTHONPATH")
     try:
-        gym.spec(env_id)
+        spec = gym.spec(name)
     except gym.error.Error:
-        close = difflib.get_close_matches(env_id, list(gym.registry), n=3)
-        fail(f"unknown env id {env_id!r}: " + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
+        close = difflib.get_close_matches(name, list(gym.registry), n=3)
+        fail((f"--env-id {env_id}: {module} imports, but registers no env {name!r}: " if module else
+              f"unknown env id {name!r}: ") + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
+    if str(spec.entry_point).startswith("gymnasium.envs.mujoco"):  # its models set an attribute MuJoCo deprecates
+        import mujoco
+
+        mujoco.set_mju_user_warning(lambda text: "settotalmass" in text or print(f"WARNING: {text}", file=sys.stderr))
     try:
         env = gym.make(env_id)
     except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
         fail(f"cannot make {env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     env.close()
     return env.observation_space, env.action_space
+
+
+def render_error(env_id):
+    """None where env_id renders a frame here, else the one-line error: found before training, not at the first
+    video."""
+    try:
+        with warnings.catch_warnings():  # e.g. glfw's own warnings on its way to the exception: one line says it
+            warnings.simplefilter("ignore")
+            env = gym.make(env_id, render_mode="rgb_array")
+            env.reset(seed=0)
+            env.render()
+            env.close()
+    except Exception as e:  # a missing GL backend or renderer (pygame), whichever way the env reports it
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return (f"--capture-video cannot render {env_id} here ({why}): without a display a MuJoCo env needs "
+                "MUJOCO_GL=egl or osmesa, a classic-control env pygame")
+    return None
 
 
 def arg_errors(args):
@@ -267,6 +301,12 @@ def arg_errors(args):
         f"epsilon falls from --start-e ({args.start_e}) to --end-e ({args.end_e}): both in [0, 1], end <= start")
     yield not 0 < args.exploration_fraction <= 1, (
         f"--exploration-fraction must lie in (0, 1], got {args.exploration_fraction}")
+    headless = args.capture_video and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+    egl = headless and not os.environ.get("MUJOCO_GL")
+    if egl:  # glfw, MuJoCo's default, needs a display; MuJoCo reads MUJOCO_GL when env_spaces first imports it
+        os.environ["MUJOCO_GL"] = "egl"
+    if headless:
+        os.environ["SDL_VIDEODRIVER"] = os.environ.get("SDL_VIDEODRIVER") or "dummy"  # pygame draws off-screen
     obs_space, act_space = env_spaces(args.env_id)
     yield not isinstance(act_space, gym.spaces.Discrete), (
         f"DQN needs a discrete action space, but {args.env_id} has {act_space}: use SAC, TD3 or PPO "
@@ -276,15 +316,15 @@ def arg_errors(args):
     yield not isinstance(obs_space, gym.spaces.Box) or len(obs_space.shape) != 1, (
         f"DQN's MLP needs a flat Box observation space, but {args.env_id} has {obs_space}: "
         "wrap it in gymnasium.wrappers.FlattenObservation")
-    if args.capture_video:  # found out now, not when the first video is written
-        try:
-            os.makedirs("videos", exist_ok=True)
-            writable = os.access("videos", os.W_OK)
-        except OSError:  # e.g. a file named videos
-            writable = False
-        yield not writable, "--capture-video writes to videos/, which cannot be written here: run from a writable " \
-            "folder"
+    if args.capture_video:  # found out now, not when the first video is written, and nothing made before
+        folder = "videos" if os.path.lexists("videos") else "."
+        yield not (os.path.isdir(folder) and os.access(folder, os.W_OK)), (
+            "--capture-video writes to videos/, which cannot be written here: run from a writable folder")
         yield importlib.util.find_spec("moviepy") is None, "--capture-video needs moviepy: pip install moviepy"
+        error = render_error(args.env_id)
+        yield error is not None, error
+        if egl and "mujoco" in sys.modules:
+            note("note: no display: MuJoCo renders the videos through EGL (MUJOCO_GL=egl; set MUJOCO_GL to choose)")
 
 
 def main(args: Args) -> dict:
@@ -360,6 +400,8 @@ def main(args: Args) -> dict:
 SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "resume", "eval_episodes",
                  "compile", "cudagraphs", "measure_burnin", "log_every", "backend"}
 SAVING_FLAGS = {"save_model", "checkpoint_every", "save_buffer"}
+# torch.compile says at every compile that it ignores Optimizer.step's profiler hook: not the user's business
+logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(lambda record: "Profiler" not in str(record.msg))
 
 
 def note(message):  # on stderr, by one process (under torchrun every process would say the same), above the bar
@@ -378,6 +420,22 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+def wandb_error():  # wandb asks for a key on a terminal; elsewhere, with none, it ends in a traceback after set-up
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or (sys.stdin and sys.stdin.isatty()):
+        return None
+    try:
+        import wandb
+
+        if wandb.login(verify=False, prompt=False):  # a key from WANDB_API_KEY or `wandb login`, not sent anywhere
+            return None
+        problem = "finds no wandb login"
+    except ImportError:
+        return "--track needs wandb: pip install wandb"
+    except Exception as e:  # e.g. a malformed key
+        problem = f"cannot use the wandb login ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return f"--track {problem}: run `wandb login`, or set WANDB_MODE=offline to log here and `wandb sync` later"
+
+
 def shared_arg_errors(args, checkpoint):
     step, processes = checkpoint["global_step"] if checkpoint else 0, int(os.environ.get("WORLD_SIZE", 1))
     yield args.total_timesteps <= 0, f"--total-timesteps must be positive, got {args.total_timesteps}"
@@ -388,6 +446,8 @@ def shared_arg_errors(args, checkpoint):
     yield args.checkpoint_every < 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
     yield args.checkpoint_every > 0 and not args.save_model, "--checkpoint-every needs --save-model"
     yield (args.eval_episodes or 0) < 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"
+    track_error = wandb_error() if args.track else None
+    yield track_error is not None, track_error
     saved = len(checkpoint["rng"]) if checkpoint else processes  # a generator state per process
     yield saved != processes, (f"--resume {args.resume} was written by a run of {saved} processes, not {processes}: "
                                "resume it with as many")
@@ -450,7 +510,8 @@ class Run:
             note("warning: --cudagraphs needs CUDA: running without CUDA graphs")
             args.cudagraphs = False
         self.args, self.rank, self.gather = args, 0, lambda obj: [obj]  # one process
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        env = args.env_id.replace(":", "-").replace("/", "-")  # a folder name: module:EnvId, namespace/EnvId
+        self.name = f"{env}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.path = f"runs/{self.name}"
         self.global_step, self.episodes, self.returns = 0, 0, deque(maxlen=10)  # the last 10 finished episodes
         self.finished, self.losses, self.diverged, self.logged_step = [], {}, None, None
@@ -606,7 +667,8 @@ class Run:
         wall = round(self.wall_before + now - self.start_time, 3)
         self.write_metrics({"global_step": self.global_step, "wall_seconds": wall, **logs})
         if self.wandb and self.global_step > self.wandb_logged:
-            self.wandb.log({k: v for k, v in logs.items() if v is not None}, step=self.global_step)
+            logged = {"wall_seconds": wall, **logs}  # metrics.csv's columns; global_step is wandb's step
+            self.wandb.log({k: v for k, v in logged.items() if v is not None}, step=self.global_step)
         self.logged_step = self.global_step
 
     def write_metrics(self, row):

@@ -22,6 +22,7 @@ import difflib
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import signal
@@ -336,6 +337,9 @@ def arg_errors(args):
     yield args.backend == "nccl" and not (args.cuda and torch.cuda.is_available()), (
         "--backend nccl needs CUDA: on the CPU use --backend gloo (the default there)")
     yield envpool is None, "this script needs envpool: pip install -r requirements/requirements-atari.txt"
+    yield ":" in args.env_id, (f"--env-id {args.env_id}: this script takes envpool's Atari games (Breakout-v5, "
+                               "Pong-v5...), not gymnasium's module:EnvId; for an env of your own use "
+                               "ppo_continuous_action.py (continuous actions) or dqn.py (discrete)")
     specs = envpool.registration.registry.specs  # envpool also registers MuJoCo, classic control, Procgen...
     games = sorted(name for name, (module, *_) in specs.items() if module == "envpool.atari")
     close = difflib.get_close_matches(args.env_id, games, n=3)
@@ -522,6 +526,8 @@ def main(args: Args) -> dict:
 SESSION_FLAGS = {"cuda", "track", "wandb_project_name", "wandb_entity", "capture_video", "resume", "eval_episodes",
                  "compile", "cudagraphs", "measure_burnin", "log_every", "backend"}
 SAVING_FLAGS = {"save_model", "checkpoint_every", "save_buffer"}
+# torch.compile says at every compile that it ignores Optimizer.step's profiler hook: not the user's business
+logging.getLogger("torch._dynamo.variables.ctx_manager").addFilter(lambda record: "Profiler" not in str(record.msg))
 
 
 def note(message):  # on stderr, by one process (under torchrun every process would say the same), above the bar
@@ -540,6 +546,22 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+def wandb_error():  # wandb asks for a key on a terminal; elsewhere, with none, it ends in a traceback after set-up
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or (sys.stdin and sys.stdin.isatty()):
+        return None
+    try:
+        import wandb
+
+        if wandb.login(verify=False, prompt=False):  # a key from WANDB_API_KEY or `wandb login`, not sent anywhere
+            return None
+        problem = "finds no wandb login"
+    except ImportError:
+        return "--track needs wandb: pip install wandb"
+    except Exception as e:  # e.g. a malformed key
+        problem = f"cannot use the wandb login ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return f"--track {problem}: run `wandb login`, or set WANDB_MODE=offline to log here and `wandb sync` later"
+
+
 def shared_arg_errors(args, checkpoint):
     step, processes = checkpoint["global_step"] if checkpoint else 0, int(os.environ.get("WORLD_SIZE", 1))
     yield args.total_timesteps <= 0, f"--total-timesteps must be positive, got {args.total_timesteps}"
@@ -550,6 +572,8 @@ def shared_arg_errors(args, checkpoint):
     yield args.checkpoint_every < 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}"
     yield args.checkpoint_every > 0 and not args.save_model, "--checkpoint-every needs --save-model"
     yield (args.eval_episodes or 0) < 0, f"--eval-episodes must be >= 0, got {args.eval_episodes}"
+    track_error = wandb_error() if args.track else None
+    yield track_error is not None, track_error
     saved = len(checkpoint["rng"]) if checkpoint else processes  # a generator state per process
     yield saved != processes, (f"--resume {args.resume} was written by a run of {saved} processes, not {processes}: "
                                "resume it with as many")
@@ -612,7 +636,8 @@ class Run:
             note("warning: --cudagraphs needs CUDA: running without CUDA graphs")
             args.cudagraphs = False
         self.args, self.rank, self.gather = args, 0, lambda obj: [obj]  # one process
-        self.name = f"{args.env_id}__{args.exp_name}__{args.seed}__{int(time.time())}"
+        env = args.env_id.replace(":", "-").replace("/", "-")  # a folder name: module:EnvId, namespace/EnvId
+        self.name = f"{env}__{args.exp_name}__{args.seed}__{int(time.time())}"
         self.path = f"runs/{self.name}"
         self.global_step, self.episodes, self.returns = 0, 0, deque(maxlen=10)  # the last 10 finished episodes
         self.finished, self.losses, self.diverged, self.logged_step = [], {}, None, None
@@ -768,7 +793,8 @@ class Run:
         wall = round(self.wall_before + now - self.start_time, 3)
         self.write_metrics({"global_step": self.global_step, "wall_seconds": wall, **logs})
         if self.wandb and self.global_step > self.wandb_logged:
-            self.wandb.log({k: v for k, v in logs.items() if v is not None}, step=self.global_step)
+            logged = {"wall_seconds": wall, **logs}  # metrics.csv's columns; global_step is wandb's step
+            self.wandb.log({k: v for k, v in logged.items() if v is not None}, step=self.global_step)
         self.logged_step = self.global_step
 
     def write_metrics(self, row):
