@@ -17,6 +17,7 @@ import contextlib
 import csv
 import dataclasses
 import difflib
+import importlib.util
 import itertools
 import json
 import logging
@@ -442,19 +443,26 @@ def flag(name):
 
 
 def wandb_error():  # wandb asks for a key on a terminal; elsewhere, with none, it ends in a traceback after set-up
-    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or (sys.stdin and sys.stdin.isatty()):
-        return None
-    try:
-        import wandb
-
-        if wandb.login(verify=False, prompt=False):  # a key from WANDB_API_KEY or `wandb login`, not sent anywhere
-            return None
-        problem = "finds no wandb login"
-    except ImportError:
+    if importlib.util.find_spec("wandb") is None:
         return "--track needs wandb: pip install wandb"
-    except Exception as e:  # e.g. a malformed key
-        problem = f"cannot use the wandb login ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return f"--track {problem}: run `wandb login`, or set WANDB_MODE=offline to log here and `wandb sync` later"
+    import netrc
+    import urllib.parse
+
+    settings = ""  # where `wandb offline` keeps its mode
+    for folder in (os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb"), "wandb"):
+        with contextlib.suppress(OSError):
+            settings += open(os.path.join(folder, "settings")).read()
+    offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or any(
+        line.replace(" ", "") in ("mode=offline", "mode=disabled") for line in settings.splitlines())
+    terminal = all(stream and stream.isatty() for stream in (sys.stdin, sys.stderr))  # wandb's test for asking
+    if offline or terminal or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    with contextlib.suppress(OSError, netrc.NetrcParseError):  # `wandb login` keeps the key there, for its host
+        if any(machine == host or "wandb" in machine for machine in netrc.netrc(os.environ.get("NETRC")).hosts):
+            return None
+    return ("--track finds no wandb login: run `wandb login`, or set WANDB_MODE=offline to log here and `wandb sync` "
+            "later")
 
 
 def shared_arg_errors(args, checkpoint):

@@ -295,28 +295,50 @@ def env_spaces(env_id):
     EnvId."""
     module, _, name = env_id.rpartition(":")
     if module:
-        sys.path.append(os.getcwd())  # as `python -m` finds a module in the folder it runs from
+        if os.getcwd() not in sys.path:  # a module beside the user; last, so an installed one of that name wins
+            sys.path.append(os.getcwd())
         try:
             importlib.import_module(module)
         except Exception as e:  # not found, or its own import fails
-            fail(f"--env-id {env_id}: cannot import {module} ({type(e).__name__}: {e}): run from the folder that "
-                 "holds it, or add that folder to PYTHONPATH")
+            where = ": run from the folder that holds it, or add that folder to PYTHONPATH" if isinstance(
+                e, ModuleNotFoundError) and e.name == module else ""
+            fail(f"--env-id {env_id}: cannot import {module} ({type(e).__name__}: "
+                 f"{str(e).splitlines()[0] if str(e) else ''}){where}")
     try:
         spec = gym.spec(name)
     except gym.error.Error:
         close = difflib.get_close_matches(name, list(gym.registry), n=3)
+        hint = "have it call gymnasium.register(id=..., entry_point=...)" if module else "see gym.registry"
         fail((f"--env-id {env_id}: {module} imports, but registers no env {name!r}: " if module else
-              f"unknown env id {name!r}: ") + (f"did you mean {', '.join(close)}?" if close else "see gym.registry"))
+              f"unknown env id {name!r}: ") + (f"did you mean {', '.join(close)}?" if close else hint))
     if str(spec.entry_point).startswith("gymnasium.envs.mujoco"):  # its models set an attribute MuJoCo deprecates
-        import mujoco
+        with contextlib.suppress(ImportError, RuntimeError, AttributeError):  # gym.make says what is wrong
+            import mujoco
 
-        mujoco.set_mju_user_warning(lambda text: "settotalmass" in text or print(f"WARNING: {text}", file=sys.stderr))
+            keep = mujoco.get_mju_user_warning() or (lambda text: note(f"WARNING: {text}"))
+            mujoco.set_mju_user_warning(lambda text: "settotalmass" in text or keep(text))
     try:
         env = gym.make(env_id)
     except (gym.error.Error, ImportError) as e:  # e.g. an env whose simulator is not installed
         fail(f"cannot make {env_id}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     env.close()
     return env.observation_space, env.action_space
+
+
+def headless_gl():
+    """On a Linux machine without a display: MuJoCo's GL backend (EGL, else OSMesa, whichever library is there) and
+    pygame's off-screen driver, chosen before mujoco is first imported. Returns the backend it chose, if any."""
+    if not sys.platform.startswith("linux") or os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        return None
+    import ctypes.util
+
+    os.environ["SDL_VIDEODRIVER"] = os.environ.get("SDL_VIDEODRIVER") or "dummy"
+    if os.environ.get("MUJOCO_GL"):
+        return None
+    backend = next((gl for gl, lib in (("egl", "EGL"), ("osmesa", "OSMesa")) if ctypes.util.find_library(lib)), None)
+    if backend:  # glfw, MuJoCo's default, needs a display
+        os.environ["MUJOCO_GL"] = backend
+    return backend
 
 
 def render_error(env_id):
@@ -357,12 +379,7 @@ def arg_errors(args):
             f"{flag(name)} must be a positive number, got {getattr(args, name)}")
     yield not (math.isfinite(args.alpha) and args.alpha >= 0), (
         f"--alpha must be a non-negative number, got {args.alpha}")
-    headless = args.capture_video and not (os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
-    egl = headless and not os.environ.get("MUJOCO_GL")
-    if egl:  # glfw, MuJoCo's default, needs a display; MuJoCo reads MUJOCO_GL when env_spaces first imports it
-        os.environ["MUJOCO_GL"] = "egl"
-    if headless:
-        os.environ["SDL_VIDEODRIVER"] = os.environ.get("SDL_VIDEODRIVER") or "dummy"  # pygame draws off-screen
+    gl = headless_gl() if args.capture_video else None  # before env_spaces first imports mujoco
     obs_space, act_space = env_spaces(args.env_id)
     yield not isinstance(act_space, gym.spaces.Box), (
         f"SAC needs a continuous (Box) action space, but {args.env_id} has {act_space}: use DQN or PPO")
@@ -379,8 +396,8 @@ def arg_errors(args):
         yield importlib.util.find_spec("moviepy") is None, "--capture-video needs moviepy: pip install moviepy"
         error = render_error(args.env_id)
         yield error is not None, error
-        if egl and "mujoco" in sys.modules:
-            note("note: no display: MuJoCo renders the videos through EGL (MUJOCO_GL=egl; set MUJOCO_GL to choose)")
+        if gl and "mujoco" in sys.modules:
+            note(f"note: no display: MuJoCo renders the videos with MUJOCO_GL={gl} (set MUJOCO_GL to choose)")
 
 
 def main(args: Args) -> dict:
@@ -488,19 +505,26 @@ def flag(name):
 
 
 def wandb_error():  # wandb asks for a key on a terminal; elsewhere, with none, it ends in a traceback after set-up
-    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or (sys.stdin and sys.stdin.isatty()):
-        return None
-    try:
-        import wandb
-
-        if wandb.login(verify=False, prompt=False):  # a key from WANDB_API_KEY or `wandb login`, not sent anywhere
-            return None
-        problem = "finds no wandb login"
-    except ImportError:
+    if importlib.util.find_spec("wandb") is None:
         return "--track needs wandb: pip install wandb"
-    except Exception as e:  # e.g. a malformed key
-        problem = f"cannot use the wandb login ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return f"--track {problem}: run `wandb login`, or set WANDB_MODE=offline to log here and `wandb sync` later"
+    import netrc
+    import urllib.parse
+
+    settings = ""  # where `wandb offline` keeps its mode
+    for folder in (os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb"), "wandb"):
+        with contextlib.suppress(OSError):
+            settings += open(os.path.join(folder, "settings")).read()
+    offline = os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun") or any(
+        line.replace(" ", "") in ("mode=offline", "mode=disabled") for line in settings.splitlines())
+    terminal = all(stream and stream.isatty() for stream in (sys.stdin, sys.stderr))  # wandb's test for asking
+    if offline or terminal or os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    with contextlib.suppress(OSError, netrc.NetrcParseError):  # `wandb login` keeps the key there, for its host
+        if any(machine == host or "wandb" in machine for machine in netrc.netrc(os.environ.get("NETRC")).hosts):
+            return None
+    return ("--track finds no wandb login: run `wandb login`, or set WANDB_MODE=offline to log here and `wandb sync` "
+            "later")
 
 
 def shared_arg_errors(args, checkpoint):

@@ -33,6 +33,7 @@ def run_script(name, *flags, cwd, env=None, timeout=900):
     the test needs no command line of its own."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
     full_env.update(env or {})
+    full_env = {key: value for key, value in full_env.items() if value is not None}  # None: unset
     return subprocess.run(
         [sys.executable, str(LEANRL / f"{name}.py"), *map(str, flags)],
         cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
@@ -168,6 +169,17 @@ def reject_non_json(constant):
 @pytest.fixture
 def workdir(tmp_path):
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def environment_and_import_path_restored():
+    """A script run in this process may set variables (MUJOCO_GL for a headless --capture-video) or extend sys.path
+    (an env module beside the user): the next test starts without them."""
+    environ, path = dict(os.environ), list(sys.path)
+    yield
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
 
 
 @pytest.fixture

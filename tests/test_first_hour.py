@@ -3,6 +3,7 @@ wandb login, --capture-video on a machine without a display, and no noise that i
 
 import csv
 import importlib.util
+import io
 import os
 import subprocess
 import sys
@@ -25,12 +26,23 @@ SHORT = {
     "dqn": ["--learning-starts", "100", "--total-timesteps", "150", "--batch-size", "32"],
 }
 GYM_SCRIPTS = [name for script in SHORT for name in (script, f"{script}_torchcompile")]
-ENTRY_POINTS = {"Pendulum": "gymnasium.envs.classic_control.pendulum:PendulumEnv",
-                "CartPole": "gymnasium.envs.classic_control.cartpole:CartPoleEnv"}
+# an env module as a user writes one: its own class (here a renamed classic-control env), registered on import
 ENV_MODULE = """import gymnasium as gym
+from gymnasium.envs.classic_control.{file} import {base}
 
-gym.register(id="{env}", entry_point="{entry_point}", max_episode_steps=50)
+
+class My{kind}({base}):
+    pass
+
+
+gym.register(id="{env}", entry_point="{module}:My{kind}", max_episode_steps=50)
 """
+BASES = {"Pendulum": ("pendulum", "PendulumEnv"), "CartPole": ("cartpole", "CartPoleEnv")}
+
+
+def write_env_module(folder, module, env, kind):
+    file, base = BASES[kind]
+    (folder / f"{module}.py").write_text(ENV_MODULE.format(file=file, base=base, kind=kind, env=env, module=module))
 
 
 def test_every_gymnasium_script_is_covered_here():
@@ -45,11 +57,19 @@ def test_an_env_of_your_own_as_module_colon_id(name, workdir):
     script = name.removesuffix("_torchcompile")
     kind = "CartPole" if script == "dqn" else "Pendulum"
     module, env = f"my_envs_{name}", f"My{kind}{GYM_SCRIPTS.index(name)}-v0"  # imported once in this process
-    (workdir / f"{module}.py").write_text(ENV_MODULE.format(env=env, entry_point=ENTRY_POINTS[kind]))
+    write_env_module(workdir, module, env, kind)
     summary = summary_of(run_main(name, "--env-id", f"{module}:{env}", *SHORT[script], cwd=workdir), workdir)
     assert summary["env_id"] == f"{module}:{env}" and summary["global_step"] == (128 if script.startswith("ppo") else 150)
     assert summary["episodes"] >= 2 and summary["losses"]  # 50-step episodes, and updates ran
     assert summary["run_name"].startswith(f"{module}-{env}__") and (workdir / "runs" / summary["run_name"]).is_dir()
+
+
+def test_an_env_of_your_own_from_the_command_line(workdir):
+    """As a user runs it: the script from its own folder, the env module in the folder the command runs from."""
+    write_env_module(workdir, "my_envs", "MyPendulum-v0", "Pendulum")
+    proc = run_script("sac_continuous_action", "--env-id", "my_envs:MyPendulum-v0", *SHORT["sac_continuous_action"],
+                      cwd=workdir)
+    assert summary_of(proc, workdir)["episodes"] == 3
 
 
 @pytest.mark.parametrize("name", GYM_SCRIPTS)
@@ -59,15 +79,16 @@ def test_an_env_of_your_own_as_module_colon_id(name, workdir):
         (None, "no_such_module:MyEnv-v0", "--env-id no_such_module:MyEnv-v0: cannot import no_such_module "
                                           "(ModuleNotFoundError: No module named 'no_such_module')"),
         ("import gymnasium\n", "empty_envs:MyEnv-v0", "--env-id empty_envs:MyEnv-v0: empty_envs imports, but "
-                                                      "registers no env 'MyEnv-v0'"),
+                                                      "registers no env 'MyEnv-v0': have it call gymnasium.register"),
+        ("import no_such_dependency\n", "broken_envs:MyEnv-v0", "--env-id broken_envs:MyEnv-v0: cannot import "
+         "broken_envs (ModuleNotFoundError: No module named 'no_such_dependency')"),  # no hint about the folder
     ],
-    ids=["module-not-found", "id-not-registered"],
+    ids=["module-not-found", "id-not-registered", "module-import-fails"],
 )
 def test_an_env_module_that_fails_names_which_part(name, module_text, env_id, message, workdir, monkeypatch, capsys):
     if module_text:
-        (workdir / "empty_envs.py").write_text(module_text)
+        (workdir / f"{env_id.split(':')[0]}.py").write_text(module_text)
     monkeypatch.chdir(workdir)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the import's search path stays this test's
     assert_rejected(name, ["--env-id", env_id], message, capsys)
     assert not (workdir / "runs").exists()
 
@@ -125,7 +146,7 @@ def egl_works():
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120).returncode == 0
 
 
-NO_DISPLAY = {"DISPLAY": "", "WAYLAND_DISPLAY": "", "MUJOCO_GL": "", "SDL_VIDEODRIVER": ""}
+NO_DISPLAY = dict.fromkeys(("DISPLAY", "WAYLAND_DISPLAY", "MUJOCO_GL", "SDL_VIDEODRIVER", "PYOPENGL_PLATFORM"))
 VIDEO_RUN = ["--capture-video", "--num-steps", "32", "--num-minibatches", "2", "--update-epochs", "1",
              "--total-timesteps", "64"]
 
@@ -140,7 +161,7 @@ def test_capture_video_without_a_display(env_id, workdir):
     summary = summary_of(proc, workdir)
     videos = list((workdir / "videos" / summary["run_name"]).glob("rl-video-episode-0.mp4"))
     assert len(videos) == 1 and videos[0].stat().st_size > 1000
-    egl_note = "note: no display: MuJoCo renders the videos through EGL (MUJOCO_GL=egl; set MUJOCO_GL to choose)"
+    egl_note = "note: no display: MuJoCo renders the videos with MUJOCO_GL=egl (set MUJOCO_GL to choose)"
     lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip() and "it/s" not in line
              and "?it" not in line and "s/it" not in line]
     expected = ([egl_note] if env_id == "HalfCheetah-v5" else []) + ["note: CUDA is not available, running on the CPU"]
@@ -168,8 +189,56 @@ def test_capture_video_without_moviepy_leaves_no_folder(workdir, monkeypatch, ca
     assert not (workdir / "videos").exists()
 
 
-def test_a_compiled_run_says_nothing_of_torch_internals(workdir):
+def test_a_compiled_run_does_not_print_the_profiler_hook_warning(workdir):
     """torch.compile's warning that it ignores the optimiser's profiler hook is not the user's business."""
     proc = run_script("dqn_torchcompile", "--compile", "--env-id", "CartPole-v1", *SHORT["dqn"], cwd=workdir)
     summary_of(proc, workdir)
     assert "Profiler" not in proc.stderr and "torch/_logging" not in proc.stderr, proc.stderr
+
+
+def test_mujocos_settotalmass_warning_is_dropped_and_its_others_kept(capsys):
+    """gymnasium's own MuJoCo models set an attribute MuJoCo 4 deprecates: that warning is dropped, any other that
+    MuJoCo gives still reaches stderr."""
+    import mujoco
+
+    load_script("sac_continuous_action").env_spaces("HalfCheetah-v5")
+    warn = mujoco.get_mju_user_warning()
+    warn("compiler attribute 'settotalmass' is deprecated and will be removed in a future release")
+    warn("Nan, Inf or huge value in QACC at DOF 0. The simulation is unstable.")
+    assert capsys.readouterr().err == "WARNING: Nan, Inf or huge value in QACC at DOF 0. The simulation is unstable.\n"
+
+
+@pytest.mark.parametrize(
+    "files, variables, finds_a_login",
+    [
+        ({}, {}, False),
+        ({".netrc": "machine api.wandb.ai\n  login user\n  password " + "a" * 40 + "\n"}, {}, True),
+        ({}, {"WANDB_API_KEY": "b" * 40}, True),
+        ({".config/wandb/settings": "[default]\nmode = offline\n"}, {}, True),  # `wandb offline` wrote it
+        ({}, {"WANDB_MODE": "offline"}, True),
+    ],
+    ids=["nothing", "netrc", "api-key", "wandb-offline", "wandb-mode"],
+)
+def test_track_finds_a_login_without_asking_wandb(files, variables, finds_a_login, workdir, monkeypatch):
+    """The --track check reads what `wandb login` and `wandb offline` leave, silently and without the network."""
+    for name, text in files.items():
+        (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / name).write_text(text)
+        (workdir / name).chmod(0o600)
+    for key in [k for k in os.environ if k.startswith("WANDB_") or k == "NETRC"]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HOME", str(workdir))
+    monkeypatch.setattr(sys, "stdin", io.StringIO())  # no terminal, where wandb would ask for a key
+    monkeypatch.chdir(workdir)
+    for key, value in variables.items():
+        monkeypatch.setenv(key, value)
+    error = load_script("dqn").wandb_error()
+    assert (error is None) == finds_a_login, error
+
+
+def test_track_without_wandb_installed_is_one_line(workdir, monkeypatch, capsys):
+    module = load_script("td3_continuous_action")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(module.importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    monkeypatch.chdir(workdir)
+    assert_rejected("td3_continuous_action", ["--track"], "--track needs wandb: pip install wandb", capsys)
