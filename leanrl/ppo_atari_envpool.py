@@ -693,11 +693,10 @@ class Run:
         diverged = next(((k, logs[k]) for k in self.losses if k in self.checked and not math.isfinite(logs[k])), None)
         self.diverged = next((d for d in self.gather(diverged) if d), None)  # in any process: all of them stop
         self.bar.set_postfix({k: f"{v:.4g}" for k, v in logs.items() if v is not None}, refresh=False)
-        wall = round(self.wall_before + now - self.start_time, 3)
-        self.write_metrics({"global_step": self.global_step, "wall_seconds": wall, **logs})
-        if self.wandb and self.global_step > self.wandb_logged:
-            logged = {"wall_seconds": wall, **logs}  # metrics.csv's columns; global_step is wandb's step
-            self.wandb.log({k: v for k, v in logged.items() if v is not None}, step=self.global_step)
+        row = {"wall_seconds": round(self.wall_before + now - self.start_time, 3), **logs}
+        self.write_metrics({"global_step": self.global_step, **row})
+        if self.wandb and self.global_step > self.wandb_logged:  # metrics.csv's row; its global_step is wandb's step
+            self.wandb.log({k: v for k, v in row.items() if v is not None}, step=self.global_step)
         self.logged_step = self.global_step
 
     def write_metrics(self, row):
